@@ -1,0 +1,363 @@
+#include "tracker_binding.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <new>
+#include <utility>
+
+namespace zero_lifetime {
+
+namespace {
+
+using DimVector = c10::SmallVector<int64_t, 5>;
+
+struct SavedParamObject {
+  PyObject_HEAD
+  Tracker* tracker;       // valid while tracker_ref is held
+  PyObject* tracker_ref;  // strong ref to the Python Tracker: handles may outlive its owner
+  int64_t id;
+  uint64_t generation;
+  int64_t delta;          // element offset of the saved view from the start of param.data
+  bool holds_reference;   // set once the acquire it must give back has happened
+  DimVector sizes;
+  DimVector strides;
+};
+
+SavedParamObject* as_saved_param(PyObject* obj) {
+  return reinterpret_cast<SavedParamObject*>(obj);
+}
+
+// Reports the pending Python error, or `what`, without raising: used where an exception
+// cannot propagate (a handle dies inside autograd or the garbage collector).
+void write_unraisable(PyObject* context, const char* what) {
+  if (what != nullptr) PyErr_SetString(PyExc_RuntimeError, what);
+  PyErr_WriteUnraisable(context);
+}
+
+void saved_param_dealloc(PyObject* self) {
+  SavedParamObject* h = as_saved_param(self);
+  if (h->holds_reference) {
+    // A handle can die while an exception is propagating; keep it intact.
+    py::error_scope keep_pending_error;
+    try {
+      h->tracker->release_handle(h->id, h->generation);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      write_unraisable(h->tracker_ref, nullptr);
+    } catch (const c10::Error& e) {
+      write_unraisable(h->tracker_ref, e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      write_unraisable(h->tracker_ref, e.what());
+    }
+  }
+  h->sizes.~DimVector();
+  h->strides.~DimVector();
+  Py_XDECREF(h->tracker_ref);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* saved_param_repr(PyObject* self) {
+  SavedParamObject* h = as_saved_param(self);
+  std::string sizes;
+  for (size_t i = 0; i < h->sizes.size(); ++i) {
+    sizes += (i ? ", " : "") + std::to_string(h->sizes[i]);
+  }
+  return PyUnicode_FromFormat("SavedParam(ds_id=%lld, sizes=[%s])",
+                              static_cast<long long>(h->id), sizes.c_str());
+}
+
+PyObject* saved_param_get_ds_id(PyObject* self, void*) {
+  return PyLong_FromLongLong(as_saved_param(self)->id);
+}
+
+PyGetSetDef saved_param_getset[] = {
+    {"ds_id", saved_param_get_ds_id, nullptr, "ds_id of the saved parameter", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+// Interned once: looked up on every unpack that checks the gather status.
+PyObject* ds_status_name() {
+  static PyObject* name = PyUnicode_InternFromString("ds_status");
+  return name;
+}
+
+py::object borrow(py::handle h) { return py::reinterpret_borrow<py::object>(h); }
+
+const at::Tensor& tensor_of(py::handle param) { return THPVariable_Unpack(param.ptr()); }
+
+int64_t nbytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.itemsize()); }
+
+// Elements spanned by a strided view: 1 + sum((size-1)*stride), 0 when empty.
+int64_t extent_in_elements(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  int64_t extent = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return 0;
+    extent += (sizes[d] - 1) * strides[d];
+  }
+  return extent;
+}
+
+}  // namespace
+
+PyTypeObject SavedParamType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+void init_saved_param_type(py::module_& m) {
+  SavedParamType.tp_name = "zero_lifetime._C.SavedParam";
+  SavedParamType.tp_basicsize = sizeof(SavedParamObject);
+  SavedParamType.tp_dealloc = saved_param_dealloc;
+  SavedParamType.tp_repr = saved_param_repr;
+  SavedParamType.tp_flags = Py_TPFLAGS_DEFAULT;
+  SavedParamType.tp_doc =
+      "Handle autograd stores instead of a ZeRO-3 parameter (or a view of one); its "
+      "death releases the reference it counted.";
+  SavedParamType.tp_getset = saved_param_getset;
+  // No tp_new: only Tracker.pack creates handles.
+  if (PyType_Ready(&SavedParamType) < 0) throw py::error_already_set();
+  Py_INCREF(&SavedParamType);
+  m.add_object("SavedParam", reinterpret_cast<PyObject*>(&SavedParamType));
+}
+
+namespace {
+Policy parse_policy(const std::string& policy) {
+  if (policy == "regather") return Policy::Regather;
+  if (policy == "pin") return Policy::Pin;
+  TORCH_CHECK_VALUE(false, "unknown policy '", policy, "'; allowed values: regather, pin");
+}
+}  // namespace
+
+Tracker::Tracker(const std::string& policy, int64_t max_pinned_bytes)
+    : core_(parse_policy(policy), max_pinned_bytes) {}
+
+void Tracker::set_callbacks(py::object gather, py::object on_pinned, py::object on_unpinned) {
+  gather_ = std::move(gather);
+  on_pinned_ = std::move(on_pinned);
+  on_unpinned_ = std::move(on_unpinned);
+}
+
+void Tracker::set_available_status(py::object status) { available_status_ = std::move(status); }
+
+void Tracker::register_param(py::handle param) {
+  TORCH_CHECK_TYPE(THPVariable_Check(param.ptr()),
+                   "register_param expects a torch.nn.Parameter, got ",
+                   Py_TYPE(param.ptr())->tp_name);
+  const auto id = py::cast<int64_t>(param.attr("ds_id"));
+  const auto numel = py::cast<int64_t>(param.attr("ds_numel"));
+  const int persistent = PyObject_IsTrue(py::getattr(param, "ds_persist", py::bool_(false)).ptr());
+  if (persistent < 0) throw py::error_already_set();
+  const at::Tensor& t = tensor_of(param);
+  core_.add_param(id, numel * static_cast<int64_t>(t.itemsize()), persistent != 0);
+  auto it = params_.find(id);
+  if (it != params_.end()) id_by_impl_.erase(it->second.impl);
+  params_[id] = ParamEntry{borrow(param), t.unsafeGetTensorImpl(), numel};
+  id_by_impl_[t.unsafeGetTensorImpl()] = id;
+}
+
+void Tracker::unregister_all() {
+  ++generation_;
+  core_.clear();
+  id_by_impl_.clear();
+  // Move out first: dropping the last ref to a param can run arbitrary Python code.
+  auto dropped = std::move(params_);
+  params_.clear();
+}
+
+int64_t Tracker::registered_id(py::handle param) const {
+  const auto id = py::cast<int64_t>(param.attr("ds_id"));
+  TORCH_CHECK_VALUE(params_.count(id) != 0, "zero_lifetime: param ds_id=", id,
+                    " is not registered");
+  return id;
+}
+
+void Tracker::note_gathered(py::handle param) {
+  const int64_t id = registered_id(param);
+  const at::Tensor& p = tensor_of(params_.at(id).param);
+  core_.set_range(id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+}
+
+void Tracker::note_released(py::handle param) { core_.clear_range(registered_id(param)); }
+
+const Tracker::ParamEntry* Tracker::resolve(const at::Tensor& t, int64_t& id) const {
+  // (a) the parameter object itself: its TensorImpl is registered.
+  const auto direct = id_by_impl_.find(t.unsafeGetTensorImpl());
+  if (direct != id_by_impl_.end()) {
+    id = direct->second;
+    return &params_.at(id);
+  }
+  // (b) an autograd view of the parameter, e.g. W.t() saved by addmm.
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    const auto via_base = id_by_impl_.find(base.unsafeGetTensorImpl());
+    if (via_base != id_by_impl_.end()) {
+      if (base.dtype() != t.dtype()) return nullptr;  // a reinterpreting view: not restorable
+      id = via_base->second;
+      return &params_.at(id);
+    }
+  }
+  return resolve_by_address(t, id);
+}
+
+// (c) memory shared without autograd view tracking (e.g. `p.data[2:]`): found by address.
+const Tracker::ParamEntry* Tracker::resolve_by_address(const at::Tensor& t, int64_t& id) const {
+  if (t.layout() != c10::kStrided || !t.unsafeGetTensorImpl()->has_storage() || t.numel() == 0) {
+    return nullptr;
+  }
+  uintptr_t t_start = 0;
+  try {
+    t_start = reinterpret_cast<uintptr_t>(t.const_data_ptr());  // const: no copy-on-write side effect
+  } catch (const c10::Error&) {
+    return nullptr;  // e.g. tensor subclasses without accessible data
+  }
+  const int64_t found = core_.lookup(t_start);
+  if (found < 0) return nullptr;
+  const auto entry = params_.find(found);
+  if (entry == params_.end()) return nullptr;
+  const at::Tensor& p = tensor_of(entry->second.param);
+  if (p.dtype() != t.dtype() || p.device() != t.device()) return nullptr;
+  const auto itemsize = static_cast<uintptr_t>(t.itemsize());
+  const auto p_start = reinterpret_cast<uintptr_t>(p.const_data_ptr());
+  const uintptr_t p_end = p_start + static_cast<uintptr_t>(nbytes_of(p));
+  const uintptr_t t_end =
+      t_start + static_cast<uintptr_t>(extent_in_elements(t.sizes(), t.strides())) * itemsize;
+  // The range registry can be stale; only the param's current data counts.
+  if (t_start < p_start || t_end > p_end || (t_start - p_start) % itemsize != 0) return nullptr;
+  id = found;
+  return &entry->second;
+}
+
+py::object Tracker::pack(py::handle self, py::handle obj) {
+  if (!THPVariable_Check(obj.ptr())) return borrow(obj);
+  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+  int64_t id = -1;
+  const ParamEntry* entry = params_.empty() ? nullptr : resolve(t, id);
+  if (entry == nullptr) {
+    // Returning a tensor that owns a grad_fn would make the graph reference itself
+    // through the saved tensor: an uncollectable cycle.
+    if (!t.grad_fn()) return borrow(obj);
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
+  }
+
+  const at::Tensor& p = tensor_of(entry->param);
+  TORCH_CHECK(p.numel() != 0 || entry->numel == 0, "zero_lifetime: param ds_id=", id,
+              " is saved for backward while released (numel 0, ds_numel ", entry->numel,
+              "); it must be gathered during forward");
+  const auto byte_delta = reinterpret_cast<intptr_t>(t.const_data_ptr()) -
+                          reinterpret_cast<intptr_t>(p.const_data_ptr());
+  const int64_t delta = byte_delta / static_cast<intptr_t>(p.itemsize());
+  const py::object param = entry->param;  // survives callbacks that re-register params
+
+  auto* h = PyObject_New(SavedParamObject, &SavedParamType);
+  if (h == nullptr) throw py::error_already_set();
+  // Everything dealloc touches is initialised before anything can fail.
+  h->tracker = this;
+  h->tracker_ref = self.inc_ref().ptr();
+  h->id = id;
+  h->generation = generation_;
+  h->delta = delta;
+  h->holds_reference = false;
+  new (&h->sizes) DimVector();
+  new (&h->strides) DimVector();
+  py::object handle = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(h));
+  h->sizes.assign(t.sizes().begin(), t.sizes().end());
+  h->strides.assign(t.strides().begin(), t.strides().end());
+
+  const AcquireResult acquired = core_.acquire(id);
+  h->holds_reference = true;
+  // If on_pinned raises, `handle` dies on the way out and gives the reference back.
+  if (acquired.pinned_now && !on_pinned_.is_none()) on_pinned_(param);
+  return handle;
+}
+
+bool Tracker::needs_gather(py::handle param, int64_t full_numel, const at::Tensor& data) const {
+  if (data.numel() == 0 && full_numel > 0) return true;
+  if (!available_status_) return false;  // no status configured: the size check decides
+  py::object status = py::reinterpret_steal<py::object>(PyObject_GetAttr(param.ptr(), ds_status_name()));
+  if (!status) throw py::error_already_set();
+  const int equal = PyObject_RichCompareBool(status.ptr(), available_status_.ptr(), Py_EQ);
+  if (equal < 0) throw py::error_already_set();
+  return equal == 0;
+}
+
+py::object Tracker::unpack(py::handle obj) {
+  if (Py_TYPE(obj.ptr()) != &SavedParamType) return borrow(obj);
+  const SavedParamObject* h = as_saved_param(obj.ptr());
+  TORCH_CHECK(h->tracker == this && h->generation == generation_,
+              "zero_lifetime: saved param ds_id=", h->id,
+              " belongs to another tracker or was unregistered (unregister_all) before "
+              "backward used it");
+  const auto entry = params_.find(h->id);
+  TORCH_CHECK(entry != params_.end(), "zero_lifetime: saved param ds_id=", h->id,
+              " is no longer registered");
+  const py::object param = entry->second.param;  // strong ref: gather may re-register params
+  const int64_t full_numel = entry->second.numel;
+  const at::Tensor& p = tensor_of(param);
+
+  if (needs_gather(param, full_numel, p)) {
+    TORCH_CHECK(!gather_.is_none(), "zero_lifetime: param ds_id=", h->id,
+                " is released and no gather callback is set");
+    gather_(param);
+    TORCH_CHECK(p.numel() == full_numel, "zero_lifetime: gather(p) did not make param ds_id=",
+                h->id, " available (numel ", p.numel(), ", expected ds_numel ", full_numel, ")");
+    core_.note_regather(h->id);
+    // The gathered data may live at a new address.
+    core_.set_range(h->id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+  }
+  // A plain, grad-less view of the current data: autograd re-attaches the grad metadata
+  // it recorded at pack time.
+  const at::Tensor data = p.variable_data();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(
+      data.as_strided(h->sizes, h->strides, data.storage_offset() + h->delta)));
+}
+
+void Tracker::release_handle(int64_t id, uint64_t generation) {
+  if (generation != generation_) return;  // unregistered since: nothing to give back
+  const ReleaseResult released = core_.release(id);
+  if (released.unpinned_now && !on_unpinned_.is_none()) {
+    const py::object param = params_.at(id).param;
+    on_unpinned_(param);
+  }
+}
+
+int64_t Tracker::refcount(py::handle param) const { return core_.refcount(registered_id(param)); }
+
+bool Tracker::is_pinned(py::handle param) const { return core_.is_pinned(registered_id(param)); }
+
+py::list Tracker::force_unpin_all() {
+  py::list unpinned;
+  for (int64_t id : core_.force_unpin_all()) unpinned.append(params_.at(id).param);
+  return unpinned;
+}
+
+py::dict Tracker::stats() const {
+  const Stats s = core_.stats();
+  py::dict d;
+  d["pinned_params"] = s.pinned_params;
+  d["pinned_bytes"] = s.pinned_bytes;
+  d["peak_pinned_bytes"] = s.peak_pinned_bytes;
+  d["deferred_releases"] = s.deferred_releases;
+  d["regathers"] = s.regathers;
+  d["live_handles"] = s.live_handles;
+  d["pin_budget_fallbacks"] = s.pin_budget_fallbacks;
+  return d;
+}
+
+int Tracker::traverse(visitproc visit, void* arg) const {
+  Py_VISIT(gather_.ptr());
+  Py_VISIT(on_pinned_.ptr());
+  Py_VISIT(on_unpinned_.ptr());
+  Py_VISIT(available_status_.ptr());
+  for (const auto& kv : params_) Py_VISIT(kv.second.param.ptr());
+  return 0;
+}
+
+void Tracker::clear_references() {
+  // Break cycles through the callbacks (they usually close over the tracker's owner).
+  // Params stay: live handles may still need them, and they do not point back here.
+  gather_ = py::none();
+  on_pinned_ = py::none();
+  on_unpinned_ = py::none();
+  available_status_ = py::object();
+}
+
+}  // namespace zero_lifetime

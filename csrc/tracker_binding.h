@@ -1,0 +1,83 @@
+// Python-facing Tracker: glues LifetimeCore to torch saved-tensor hooks.
+// Semantics mirror zero_lifetime/tracker_py.py (the reference implementation).
+#pragma once
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/lifetime_core.h"
+
+namespace zero_lifetime {
+
+namespace py = pybind11;
+
+// Type object of the handles pack() returns; a plain CPython type (not pybind11) so that
+// creating one and recognising one in unpack() costs next to nothing on the hot path.
+extern PyTypeObject SavedParamType;
+void init_saved_param_type(py::module_& m);
+
+// Hidden visibility like pybind11's own types, which it holds (avoids -Wattributes).
+class __attribute__((visibility("hidden"))) Tracker {
+ public:
+  Tracker(const std::string& policy, int64_t max_pinned_bytes);
+  Tracker(const Tracker&) = delete;
+  Tracker& operator=(const Tracker&) = delete;
+
+  void set_callbacks(py::object gather, py::object on_pinned, py::object on_unpinned);
+  void set_available_status(py::object status);
+  void register_param(py::handle param);
+  void unregister_all();
+  void note_gathered(py::handle param);
+  void note_released(py::handle param);
+
+  // Hot path. `self` is this tracker's Python object: handles keep it alive.
+  py::object pack(py::handle self, py::handle tensor);
+  py::object unpack(py::handle obj);
+
+  // Called by a dying handle (GIL held). Throws; the caller reports instead of raising.
+  void release_handle(int64_t id, uint64_t generation);
+
+  int64_t refcount(py::handle param) const;
+  bool is_pinned(py::handle param) const;
+  py::list force_unpin_all();
+  py::dict stats() const;
+  void reset_peak() { core_.reset_peak(); }
+  std::string policy() const { return policy_name(core_.policy()); }
+  int64_t max_pinned_bytes() const { return core_.max_pinned_bytes(); }
+
+  // Garbage-collector support: callbacks often close over the object owning the tracker.
+  int traverse(visitproc visit, void* arg) const;
+  void clear_references();
+
+ private:
+  struct ParamEntry {
+    py::object param;           // strong ref: backward may outlive the module's bookkeeping
+    const c10::TensorImpl* impl;  // stable across `param.data = ...` (set_data keeps the impl)
+    int64_t numel;              // ds_numel: full, gathered size
+  };
+
+  int64_t registered_id(py::handle param) const;  // ds_id of a registered param or ValueError
+  const ParamEntry* resolve(const at::Tensor& t, int64_t& id) const;
+  const ParamEntry* resolve_by_address(const at::Tensor& t, int64_t& id) const;
+  bool needs_gather(py::handle param, int64_t full_numel, const at::Tensor& data) const;
+
+  LifetimeCore core_;
+  std::unordered_map<int64_t, ParamEntry> params_;
+  std::unordered_map<const c10::TensorImpl*, int64_t> id_by_impl_;
+  // Handles from before unregister_all() carry an older generation and become inert.
+  uint64_t generation_ = 0;
+  py::object gather_ = py::none();
+  py::object on_pinned_ = py::none();
+  py::object on_unpinned_ = py::none();
+  py::object available_status_;  // null until set_available_status: status not checked
+};
+
+}  // namespace zero_lifetime
