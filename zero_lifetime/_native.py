@@ -1,0 +1,239 @@
+"""Build and load the compiled core ``zero_lifetime._C`` (DeepSpeed op_builder style).
+
+Single source of truth for the native build: the source list (``csrc/sources.txt``),
+compiler flags and include dirs below are used by setup.py (which loads this file by
+path, without importing the package), by the JIT build and, through sources.txt, by
+CMakeLists.txt.
+
+Importing this module never builds or fails. :func:`load` builds on first use:
+
+1. a prebuilt ``zero_lifetime._C`` (from ``pip install .`` / ``pip install -e .``) whose
+   build hash matches the current sources and torch;
+2. else a JIT build with ``torch.utils.cpp_extension.load`` into a directory keyed by that
+   hash, so it is compiled once and cached. torch's FileBaton lock in that directory
+   makes concurrently starting ranks compile once and the others wait;
+3. else ``None``; :func:`get_tracker_impl` then falls back to the pure-Python
+   ``zero_lifetime.tracker_py.Tracker`` with one warning saying why.
+
+``ZERO_LIFETIME_FORCE_PYTHON=1`` selects the Python tracker without building anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+EXTENSION_NAME = "zero_lifetime_C"  # JIT module name; the setup.py build is zero_lifetime._C
+FORCE_PYTHON_ENV = "ZERO_LIFETIME_FORCE_PYTHON"
+
+# The sources need C++17 (the torch-free core is built as C++17 by CMake). No -std flag
+# here on purpose: torch adds the standard its headers require (-std=c++20 since torch
+# 2.10), and a later -std=c++17 would override it and build against unsupported headers.
+extra_cflags: List[str] = ["-O3"]
+
+
+def _find_csrc() -> Optional[Path]:
+    # Installed wheel: setup.py ships csrc/ as zero_lifetime/csrc. Source checkout or
+    # editable install: the top-level csrc/ next to the package.
+    for candidate in (PACKAGE_DIR / "csrc", PACKAGE_DIR.parent / "csrc"):
+        if (candidate / "sources.txt").is_file():
+            return candidate
+    return None
+
+
+CSRC_DIR: Optional[Path] = _find_csrc()
+
+
+def _read_sources(csrc: Optional[Path]) -> List[str]:
+    if csrc is None:
+        return []
+    lines = (csrc / "sources.txt").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+SOURCES: List[str] = _read_sources(CSRC_DIR)  # relative to CSRC_DIR
+
+
+def source_paths() -> List[str]:
+    """Absolute paths of the extension sources."""
+    return [str(CSRC_DIR / s) for s in SOURCES] if CSRC_DIR else []
+
+
+def include_dirs() -> List[str]:
+    return [str(CSRC_DIR)] if CSRC_DIR else []
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+
+        return torch.__version__
+    except Exception:  # noqa: BLE001 - only feeds a hash; the build reports the real error
+        return "no-torch"
+
+
+def build_hash() -> str:
+    """Hash of every file in csrc (headers included), flags, torch and Python versions.
+
+    Names the JIT build directory and is compiled into the module, so a prebuilt module
+    built from other sources or for another torch is detected as stale.
+    """
+    h = hashlib.sha256()
+    if CSRC_DIR is not None:
+        for path in sorted(CSRC_DIR.rglob("*")):
+            if path.is_file() and path.suffix in (".h", ".hpp", ".cpp", ".cc", ".txt"):
+                h.update(path.relative_to(CSRC_DIR).as_posix().encode())
+                h.update(path.read_bytes())
+    h.update(" ".join(extra_cflags).encode())
+    h.update(_torch_version().encode())
+    h.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_hash_define() -> str:
+    # An identifier, not a string literal: survives the shell quoting of ninja/setuptools
+    # unchanged; bindings.cpp stringizes it.
+    return f"-DZL_BUILD_HASH=zlh_{build_hash()}"
+
+
+def build_directory() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    return Path(root) / f"{EXTENSION_NAME}_{build_hash()}"
+
+
+# ---------------------------------------------------------------------------- loading
+_lock = threading.Lock()
+_attempted = False
+_module: Any = None
+_status: Dict[str, Any] = {
+    "impl": None,            # "compiled" or "python" once decided
+    "loaded_from": None,     # "prebuilt" or "jit"
+    "so_path": None,
+    "build_directory": None,
+    "error": None,           # why the compiled tracker is not used
+    "notes": [],             # non-fatal: e.g. a stale prebuilt module that was skipped
+}
+_warned = False
+
+
+def force_python() -> bool:
+    return os.environ.get(FORCE_PYTHON_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _load_prebuilt() -> Any:
+    try:
+        import torch  # noqa: F401 - the extension needs torch's shared libraries loaded
+
+        mod = importlib.import_module("zero_lifetime._C")
+    except ModuleNotFoundError as e:
+        if e.name != "zero_lifetime._C":
+            _status["notes"].append(f"prebuilt zero_lifetime._C not importable: {e}")
+        return None
+    except Exception as e:  # noqa: BLE001 - e.g. undefined symbols after a torch upgrade
+        _status["notes"].append(f"prebuilt zero_lifetime._C failed to import: {e}")
+        return None
+    expected = f"zlh_{build_hash()}"
+    built = getattr(mod, "build_hash", "")
+    if CSRC_DIR is not None and built != expected:
+        _status["notes"].append(
+            f"prebuilt zero_lifetime._C is stale (build hash {built or 'none'}, sources "
+            f"{expected}); rebuilding with JIT")
+        return None
+    return mod
+
+
+def _missing_toolchain() -> Optional[str]:
+    from torch.utils import cpp_extension
+
+    if not SOURCES:
+        return f"C++ sources not found (looked for csrc/sources.txt near {PACKAGE_DIR})"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not available (pip install ninja)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler found (CXX={compiler!r} is not on PATH)"
+    return None
+
+
+def jit_load(verbose: bool = False) -> Any:
+    """Compile (or reuse the cached build of) the extension; raises on failure."""
+    missing = _missing_toolchain()
+    if missing:
+        raise RuntimeError(missing)
+    from torch.utils import cpp_extension
+
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _status["build_directory"] = str(build_dir)
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=source_paths(),
+        extra_cflags=extra_cflags + [build_hash_define()],
+        extra_include_paths=include_dirs(),
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+def load(verbose: bool = False) -> Any:
+    """The compiled module, building it on first use; None if that is impossible."""
+    global _attempted, _module
+    with _lock:
+        if _attempted:
+            return _module
+        _attempted = True
+        mod = _load_prebuilt()
+        source = "prebuilt"
+        if mod is None:
+            source = "jit"
+            try:
+                mod = jit_load(verbose=verbose)
+            except Exception as e:  # noqa: BLE001 - any build failure means: use Python
+                msg = str(e).strip()
+                # Compiler output can be long; the end holds the actual error.
+                _status["error"] = f"{type(e).__name__}: {msg[-3000:]}"
+                mod = None
+        if mod is not None:
+            _module = mod
+            _status.update(impl="compiled", loaded_from=source,
+                           so_path=getattr(mod, "__file__", None), error=None)
+        else:
+            _status["impl"] = "python"
+        return _module
+
+
+def get_tracker_impl():
+    """The Tracker class to use: compiled if it builds, else the pure-Python one."""
+    from . import tracker_py
+
+    global _warned
+    if force_python():
+        return tracker_py.Tracker
+    if load() is None:
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                "zero_lifetime: compiled tracker unavailable, using the slower pure-Python "
+                f"tracker. Reason: {_status['error']}", RuntimeWarning, stacklevel=2)
+        return tracker_py.Tracker
+    return _module.Tracker
+
+
+def status() -> Dict[str, Any]:
+    """Which implementation is loaded, from where, and why a build failed (never builds)."""
+    with _lock:
+        result = dict(_status, notes=list(_status["notes"]))
+    result["force_python"] = force_python()
+    if result["force_python"]:
+        result["impl"] = "python"
+    result["sources_dir"] = str(CSRC_DIR) if CSRC_DIR else None
+    return result
