@@ -1,0 +1,7 @@
+"""zero_lifetime: correct and fast parameter lifetimes and gradient buckets for DeepSpeed ZeRO."""
+
+__version__ = "0.1.0"
+
+from .install import install, stats, uninstall  # noqa: E402
+
+__all__ = ["install", "uninstall", "stats", "__version__"]

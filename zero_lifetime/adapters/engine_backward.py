@@ -1,0 +1,80 @@
+"""The engine's per-backward state: prologue/epilogue hooks and micro-step bookkeeping.
+
+DeepSpeed runs its backward prologue from hooks on the forward outputs
+(``OutputBackwardHookManager``) at most once per forward, and queues its epilogue
+at most once per "step" (``BackwardHookStateManager``). A second backward over
+a retained graph therefore gets neither. These helpers re-arm both.
+"""
+
+import torch
+
+from .errors import require
+
+_HOOK_MANAGERS_ATTR = "_backward_hook_managers"
+
+
+class EngineBackward:
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        require(engine, "_backward_prologue", "the engine backward prologue")
+        require(engine, "_running_engine_backward", "the engine-backward flag")
+        state = require(self.optimizer, "_backward_hook_state", "the ZeRO backward hook state")
+        for name in ("backward_active_depth", "backward_seen_this_step", "post_backward_callback_queued"):
+            require(state, name, "a ZeRO backward hook state field")
+        require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
+        from deepspeed.runtime.utils import OutputBackwardHookManager
+        require(OutputBackwardHookManager, "preprocess_done", "the output-hook once flag") \
+            if hasattr(OutputBackwardHookManager, "preprocess_done") else None
+        if not hasattr(torch._C, "_current_graph_task_id"):
+            raise RuntimeError("zero_lifetime needs torch._C._current_graph_task_id (torch >= 2.1)")
+
+    @property
+    def _state(self):
+        return self.optimizer._backward_hook_state
+
+    def in_engine_backward(self) -> bool:
+        return bool(self.engine._running_engine_backward)
+
+    def backward_finished_since_forward(self) -> bool:
+        """A previous backward over the current forward ran to its end."""
+        state = self._state
+        return state.backward_seen_this_step and state.backward_active_depth == 0
+
+    def start_new_micro_step(self) -> None:
+        """What DeepSpeed does at the next forward: reset hook counters, advance the micro step."""
+        self.optimizer.clear_backward_seen_flag()
+
+    def clear_reduced_grads(self) -> None:
+        """Start the next backward from zero: ZeRO-3 resets its micro step (copy, not add)."""
+        self.optimizer.zero_grad()
+
+    @staticmethod
+    def rearm_output_hooks(outputs) -> int:
+        """Let DeepSpeed's output hooks run its prologue again for the next backward."""
+        rearmed = 0
+        for tensor in outputs:
+            for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ()):
+                manager.preprocess_done = False
+                rearmed += 1
+        return rearmed
+
+    @staticmethod
+    def suppress_output_hooks(outputs) -> None:
+        """Keep DeepSpeed's prologue from running for a graph task that accumulates nothing."""
+        for tensor in outputs:
+            for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ()):
+                manager.preprocess_done = True
+
+    def run_prologue(self) -> None:
+        """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
+        self.engine._backward_prologue()
+
+    def reset_after_failed_backward(self) -> None:
+        """An exception inside backward skipped DeepSpeed's epilogue: leave no backward open."""
+        state = self._state
+        state.backward_active_depth = 0
+        state.post_backward_callback_queued = False
+        state.post_backward_callback_graph_task_id = None
+        state.remaining_grad_acc_hooks = 0

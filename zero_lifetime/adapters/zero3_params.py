@@ -1,0 +1,71 @@
+"""ZeRO-3 parameter gather/release: the coordinator and the parameter attributes."""
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from .errors import require
+
+# Added to ``param.ds_active_sub_modules`` while a param is pinned: DeepSpeed's
+# coordinator never releases a param whose active-module set is non-empty, so the
+# pin needs no patch of the release path. Negative, so it never collides with a
+# module ds_id (those count up from 0).
+PIN_MARK = -7352
+
+_RELEASE = "_PartitionedParameterCoordinator__release_param"
+_INFLIGHT = "_PartitionedParameterCoordinator__inflight_param_registry"
+
+
+class Zero3Params:
+    """Gather and release single ZeRO-3 params with the coordinator's accounting."""
+
+    AVAILABLE = ZeroParamStatus.AVAILABLE
+    INFLIGHT = ZeroParamStatus.INFLIGHT
+
+    def __init__(self, engine):
+        optimizer = engine.optimizer
+        self._offload = require(optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
+        coordinator = self.coordinator()
+        require(type(coordinator), _RELEASE, "the coordinator's single-param release")
+        require(coordinator, _INFLIGHT, "the coordinator's in-flight param registry")
+        for attr in ("ds_id", "ds_status", "ds_tensor", "ds_active_sub_modules", "ds_numel", "all_gather"):
+            sample = next(iter(engine.module.parameters()))
+            require(sample, attr, "a ZeRO-3 parameter attribute")
+
+    def coordinator(self):
+        return require(self._offload, "get_param_coordinator", "the param coordinator accessor")()
+
+    def is_available(self, param) -> bool:
+        return param.ds_status == self.AVAILABLE
+
+    def gather(self, param) -> None:
+        """Make ``param`` gathered now (a collective: every rank calls it in the same order)."""
+        if param.ds_status == self.INFLIGHT:
+            registry = getattr(self.coordinator(), _INFLIGHT)
+            handle = registry.pop(param, None)
+            if handle is not None:
+                handle.wait()
+            if param.ds_status == self.AVAILABLE:
+                return
+        if param.ds_status != self.AVAILABLE:
+            param.all_gather()
+
+    def release(self, param) -> bool:
+        """Release through the coordinator; it skips params still used by an active module."""
+        if param.ds_persist or param.ds_status != self.AVAILABLE:
+            return False
+        getattr(self.coordinator(), _RELEASE)(param)
+        return param.ds_status != self.AVAILABLE
+
+    def release_regathered(self, param) -> bool:
+        """Release a param we gathered ourselves outside the coordinator (``all_gather``)."""
+        if param.ds_persist or param.ds_status != self.AVAILABLE or param.ds_active_sub_modules:
+            return False
+        param.partition()
+        return True
+
+    @staticmethod
+    def pin(param) -> None:
+        param.ds_active_sub_modules.add(PIN_MARK)
+
+    @staticmethod
+    def unpin(param) -> None:
+        param.ds_active_sub_modules.discard(PIN_MARK)

@@ -1,0 +1,60 @@
+"""Torch gradient semantics for several backwards before one step, on ZeRO-1/2.
+
+Without ``zero_grad`` between them, torch sums the gradients of two backwards.
+DeepSpeed ZeRO-1/2 rebuilds its reduced partitions (``averaged_gradients``) at
+every boundary epilogue and so keeps only the last backward. We keep the
+partitions of the earlier backwards and add them back after the epilogue: the
+reduction is linear, so the sum of reduced partitions is the reduced sum.
+(ZeRO-3 accumulates natively once its micro step advances; see EngineBackward.)
+"""
+
+from .adapters.errors import require
+
+
+class Zero12Accumulation:
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        require(optimizer, "averaged_gradients", "the ZeRO-1/2 reduced gradient partitions")
+        self._original_epilogue = require(optimizer, "independent_gradient_partition_epilogue",
+                                          "the ZeRO-1/2 gradient epilogue")
+        self.cpu_offload = bool(getattr(optimizer, "cpu_offload", False))
+        self.grads_pending = False  # a backward's reduced grads wait for step()
+        self._carry = None  # partitions of earlier backwards, added back after the epilogue
+        optimizer.independent_gradient_partition_epilogue = self._epilogue
+
+    def begin_backward(self) -> None:
+        if not self.grads_pending:
+            self._carry = None
+            return
+        if self.cpu_offload:
+            raise NotImplementedError(
+                "zero_lifetime: a second backward without zero_grad() before step() is not supported "
+                "with ZeRO-1/2 CPU optimizer offload yet (its gradients would be overwritten). "
+                "Call engine.zero_grad() between the backwards or sum the losses.")
+        averaged = self.optimizer.averaged_gradients
+        self._carry = {
+            group: [t.detach().clone() for t in tensors]
+            for group, tensors in averaged.items() if tensors is not None
+        }
+
+    def _epilogue(self, *args, **kwargs):
+        result = self._original_epilogue(*args, **kwargs)
+        if self._carry:
+            averaged = self.optimizer.averaged_gradients
+            for group, earlier in self._carry.items():
+                current = averaged.get(group)
+                if current is None:
+                    continue
+                for now, before in zip(current, earlier):
+                    now.add_(before)
+            self._carry = None
+        self.grads_pending = True
+        return result
+
+    def grads_cleared(self) -> None:
+        self.grads_pending = False
+        self._carry = None
+
+    def restore(self) -> None:
+        self.optimizer.__dict__.pop("independent_gradient_partition_epilogue", None)

@@ -1,0 +1,317 @@
+"""install(engine) / uninstall(engine) / stats(engine): the public entry points."""
+
+import contextlib
+import logging
+import threading
+import warnings
+import weakref
+
+import torch
+
+from .adapters.errors import UnsupportedDeepSpeedError
+from .backward_scope import BackwardScope
+
+logger = logging.getLogger("zero_lifetime")
+
+POLICIES = ("regather", "pin")
+_ATTR = "_zero_lifetime_installation"
+_install_lock = threading.Lock()
+
+SEMANTICS_NOTE = ("zero_lifetime: gradients now follow torch semantics: two backwards with zero_grad() "
+                  "between them give the second loss's gradients; without it they give the sum.")
+
+
+def _check_engine(engine):
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError as exc:  # pragma: no cover - deepspeed is a dependency
+        raise ImportError("zero_lifetime.install needs DeepSpeed installed") from exc
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"zero_lifetime.install expects a deepspeed.runtime.engine.DeepSpeedEngine "
+                        f"(what deepspeed.initialize returns), got {type(engine).__module__}."
+                        f"{type(engine).__qualname__}")
+
+
+class Installation:
+    """What install() patched on one engine, and the state it keeps."""
+
+    def __init__(self, engine, policy: str, max_pinned_bytes: int):
+        from .adapters.engine_backward import EngineBackward
+        from .tracker import make_tracker
+
+        self.engine = engine
+        self.policy = policy
+        self.max_pinned_bytes = max_pinned_bytes
+        self.stage = int(engine.zero_optimization_stage())
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
+        self.backward = EngineBackward(engine)
+        self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
+        self.lifetime = None
+        self.accumulation = None
+        if self.stage == 3:
+            from .zero3_lifetime import Zero3Lifetime
+            self.tracker = make_tracker(policy, max_pinned_bytes)
+            self.lifetime = Zero3Lifetime(engine, self.tracker)
+        else:
+            from .grad_accumulation import Zero12Accumulation
+            self.tracker = None
+            self.accumulation = Zero12Accumulation(engine.optimizer)
+        self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
+        self._latest_outputs = []  # weakrefs to the last forward's output tensors
+        self._entered_via_outputs = False
+        self._failed_backwards = 0
+        self._patched = []
+        self._handles = [engine.module.register_forward_hook(self._on_root_forward)]
+        self._patch("forward", self._forward)
+        self._patch("backward", self._backward)
+        self._patch("zero_grad", self._zero_grad)
+        self._patch("step", self._step)
+        self._patch("scale", self._scale)
+        logger.info(SEMANTICS_NOTE)
+
+    # ---- patching ---------------------------------------------------------------------
+
+    def _patch(self, name, wrapper_factory):
+        original = getattr(self.engine, name)
+        self._patched.append(name)
+        object.__setattr__(self.engine, name, wrapper_factory(original))
+
+    def restore(self) -> None:
+        for name in self._patched:
+            self.engine.__dict__.pop(name, None)
+        self._patched.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.lifetime is not None:
+            self.lifetime.release_everything_held()
+            self.lifetime.remove_hooks()
+            self.tracker.unregister_all()
+        if self.accumulation is not None:
+            self.accumulation.restore()
+
+    # ---- engine method wrappers ----------------------------------------------------------
+
+    def _forward(self, original):
+
+        def forward(*args, **kwargs):
+            self.recover_if_backward_died()
+            if self.lifetime is None:
+                return original(*args, **kwargs)
+            self.lifetime.begin()
+            try:
+                with self.lifetime.saved_tensors_hooks():
+                    return original(*args, **kwargs)
+            finally:
+                self.lifetime.end()
+
+        return forward
+
+    def _backward(self, original):
+
+        def backward(loss, *args, **kwargs):
+            self.recover_if_backward_died()
+            try:
+                return original(loss, *args, **kwargs)
+            except BaseException:
+                self.recover_if_backward_died()
+                raise
+
+        return backward
+
+    def _zero_grad(self, original):
+
+        def zero_grad(*args, **kwargs):
+            self.recover_if_backward_died()
+            if self.accumulation is not None:
+                self.accumulation.grads_cleared()
+            result = original(*args, **kwargs)
+            # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
+            # optimizer holds must go too, or a following backward would add to them.
+            self.backward.clear_reduced_grads()
+            return result
+
+        return zero_grad
+
+    def _step(self, original):
+
+        def step(*args, **kwargs):
+            self.recover_if_backward_died()
+            result = original(*args, **kwargs)
+            if self.accumulation is not None:
+                self.accumulation.grads_cleared()
+            return result
+
+        return step
+
+    def _scale(self, original):
+
+        def scale(loss, retain_graph=None):
+            # retain_graph is accepted for the upstream proposal's spelling
+            # (engine.scale(loss, retain_graph=True)); it belongs to the .backward() call.
+            return original(loss)
+
+        return scale
+
+    # ---- backward detection ----------------------------------------------------------------
+
+    def _on_root_forward(self, module, inputs, output):
+        tensors = [t for t in _tensors_in(output) if t.grad_fn is not None]
+        refs = [weakref.ref(t) for t in tensors]
+        self._latest_outputs = refs
+        for tensor in tensors:
+            tensor.register_hook(self._make_output_hook(refs))
+        return None
+
+    def _make_output_hook(self, refs):
+
+        def on_output_grad(grad):
+            if not self.scope.open:
+                self._entered_via_outputs = True
+                self._entry_outputs = [t for t in (r() for r in refs) if t is not None]
+                self.scope.enter()
+            return None
+
+        return on_output_grad
+
+    def enter_from_inner_hook(self) -> None:
+        """Open a backward that reached us without passing the forward outputs."""
+        if not self.scope.open:
+            self._entered_via_outputs = False
+            self._entry_outputs = [t for t in (r() for r in self._latest_outputs) if t is not None]
+            self.scope.enter()
+
+    def _task_accumulates(self) -> bool:
+        """Does the running graph task write any param's .grad (backward, not autograd.grad)?"""
+        will_execute = torch._C._will_engine_execute_node
+        # Look the AccumulateGrad nodes up now, never cache them: a node made while a
+        # ZeRO-3 param is released records its empty shape and would reject real grads.
+        with torch.enable_grad():
+            for param in self._trainable:
+                node = param.view_as(param).grad_fn.next_functions[0][0]
+                try:
+                    if will_execute(node):
+                        return True
+                except RuntimeError:  # a leaf passed to autograd.grad(): it never accumulates
+                    return False
+        return False
+
+    def _on_backward_start(self) -> None:
+        outputs = self._entry_outputs
+        self._entry_outputs = []
+        self._accumulating = self._task_accumulates()
+        if not self._accumulating:
+            # torch.autograd.grad: nothing reaches .grad, so DeepSpeed's prologue and
+            # epilogue must not run (its epilogue would reduce empty buckets).
+            self.backward.suppress_output_hooks(outputs)
+        else:
+            if self.backward.backward_finished_since_forward():
+                self.backward.start_new_micro_step()
+            if self.accumulation is not None:
+                self.accumulation.begin_backward()
+            if self._entered_via_outputs:
+                self.backward.rearm_output_hooks(outputs)
+            elif not self.backward.in_engine_backward():
+                self.backward.suppress_output_hooks(outputs)
+                self.backward.run_prologue()
+        if self.lifetime is not None:
+            self.lifetime.begin()
+
+    def _on_backward_end(self) -> None:
+        if self.lifetime is not None:
+            self.lifetime.end_of_backward()
+            self.lifetime.end()
+
+    # ---- faults ----------------------------------------------------------------------------
+
+    def recover_if_backward_died(self) -> None:
+        """An exception inside a backward skips its end callback: clean up at the next call."""
+        if not self.scope.abandon():
+            return
+        self._failed_backwards += 1
+        self.backward.reset_after_failed_backward()
+        if self.lifetime is not None:
+            self.lifetime.release_everything_held()
+            self.lifetime.release_backward_leftovers()
+        logger.warning("zero_lifetime: a backward ended with an exception; released what it held")
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        result = {
+            "stage": self.stage,
+            "policy": self.policy,
+            "pinned_params": 0,
+            "pinned_bytes": 0,
+            "peak_pinned_bytes": 0,
+            "deferred_releases": 0,
+            "regathers": 0,
+            "live_handles": 0,
+            "pin_budget_fallbacks": 0,
+            "failed_backwards": self._failed_backwards,
+        }
+        if self.lifetime is not None:
+            self.lifetime.drain_deferred() if not self.lifetime._busy else None
+            result.update(self.tracker.stats())
+            result["regathers"] += self.lifetime.accumulate_regathers
+            result.update(self.lifetime.counts())
+        return result
+
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif hasattr(value, "to_tuple"):  # transformers ModelOutput
+        yield from _tensors_in(value.to_tuple())
+
+
+def install(engine, policy: str = "regather", max_pinned_bytes: int = -1, strict: bool = True):
+    """Install zero_lifetime on a DeepSpeed engine; returns the installation handle.
+
+    policy: "regather" (default; memory like stock ZeRO-3, released params are
+    gathered again when a retained graph needs them) or "pin" (params stay gathered
+    while a live graph references them, up to ``max_pinned_bytes``; -1 = no limit).
+    Installing twice returns the same handle.
+    """
+    _check_engine(engine)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(max_pinned_bytes, int) or isinstance(max_pinned_bytes, bool) or max_pinned_bytes < -1:
+        raise ValueError(f"max_pinned_bytes must be an int >= 0, or -1 for no limit; got {max_pinned_bytes!r}")
+    with _install_lock:
+        existing = engine.__dict__.get(_ATTR)
+        if existing is not None:
+            return existing
+        try:
+            installation = Installation(engine, policy, max_pinned_bytes)
+        except UnsupportedDeepSpeedError as exc:
+            if strict:
+                raise
+            warnings.warn(f"{exc} Continuing without zero_lifetime.", RuntimeWarning, stacklevel=2)
+            return None
+        object.__setattr__(engine, _ATTR, installation)
+        return installation
+
+
+def uninstall(engine) -> bool:
+    """Restore every patched method; releases anything zero_lifetime still holds."""
+    with _install_lock:
+        installation = engine.__dict__.pop(_ATTR, None)
+        if installation is None:
+            return False
+        installation.restore()
+        return True
+
+
+def stats(engine) -> dict:
+    installation = engine.__dict__.get(_ATTR)
+    if installation is None:
+        raise ValueError("zero_lifetime is not installed on this engine; call zero_lifetime.install(engine)")
+    return installation.stats()

@@ -1,0 +1,145 @@
+"""ZeRO-3 parameter lifetime tied to the autograd graphs that still need the params.
+
+Forward runs under saved-tensor hooks: every saved param (or view of one) becomes a
+tracker handle that counts as a live reference. ``unpack`` returns gathered data,
+gathering first when DeepSpeed already released the param (policy "regather").
+Under policy "pin" a referenced param is not released at all until its last
+handle dies. A pre-AccumulateGrad hook gathers a param before its gradient lands,
+so a second backward never accumulates into an empty (numel 0) param.
+"""
+
+import logging
+
+import torch
+
+from .adapters.zero3_params import Zero3Params
+
+logger = logging.getLogger("zero_lifetime")
+
+
+class Zero3Lifetime:
+
+    def __init__(self, engine, tracker):
+        self.engine = engine
+        self.tracker = tracker
+        self.zparams = Zero3Params(engine)
+        self.params = {p.ds_id: p for p in engine.module.parameters()}
+        self._regathered = set()  # ds_ids we gathered on demand; we own their release
+        self._deferred = []  # unpinned params whose release waits for a safe point
+        self._busy = 0  # >0 while a forward or backward runs: releases are deferred then
+        self.accumulate_regathers = 0
+        self._hook_handles = []
+
+        tracker.set_available_status(Zero3Params.AVAILABLE)
+        tracker.set_callbacks(self._gather_for_unpack, Zero3Params.pin, self._on_unpinned)
+        for param in self.params.values():
+            tracker.register_param(param)
+            if param.requires_grad:
+                self._hook_handles.append(param.register_hook(self._make_before_accumulate(param)))
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._after_accumulate))
+        for module in engine.module.modules():
+            self._hook_handles.append(module.register_forward_pre_hook(self._note_gathered, prepend=False))
+
+    # ---- forward ----------------------------------------------------------------
+
+    def saved_tensors_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
+
+    def _note_gathered(self, module, _inputs):
+        # Record where each gathered param lives, so a saved tensor that shares its
+        # storage without being an autograd view of it is still recognised.
+        for param in module.parameters(recurse=False):
+            if param.ds_status == Zero3Params.AVAILABLE:
+                self.tracker.note_gathered(param)
+
+    def begin(self) -> None:
+        self._busy += 1
+
+    def end(self) -> None:
+        self._busy -= 1
+        if self._busy == 0:
+            self.drain_deferred()
+
+    # ---- backward ----------------------------------------------------------------
+
+    def _gather_for_unpack(self, param) -> None:
+        self.zparams.gather(param)
+        if not self.tracker.is_pinned(param):
+            self._regathered.add(param.ds_id)
+
+    def _make_before_accumulate(self, param):
+
+        def before_accumulate(grad):
+            if param.ds_status != Zero3Params.AVAILABLE:
+                self.zparams.gather(param)
+                self._regathered.add(param.ds_id)
+                self.accumulate_regathers += 1
+            return None
+
+        return before_accumulate
+
+    def _after_accumulate(self, param) -> None:
+        # DeepSpeed's own post-accumulate hook (registered first) has reduced the grad.
+        if param.ds_id in self._regathered and not self.tracker.is_pinned(param):
+            self._regathered.discard(param.ds_id)
+            self.zparams.release_regathered(param)
+
+    def end_of_backward(self) -> None:
+        """Release what this backward gathered on demand; run releases that waited."""
+        for ds_id in sorted(self._regathered):
+            param = self.params[ds_id]
+            if not self.tracker.is_pinned(param):
+                self.zparams.release_regathered(param)
+        self._regathered.clear()
+
+    # ---- release of pins -------------------------------------------------------------
+
+    def _on_unpinned(self, param) -> None:
+        Zero3Params.unpin(param)
+        if self._busy:
+            self._deferred.append(param)
+        else:
+            self._release_unpinned(param)
+
+    def _release_unpinned(self, param) -> None:
+        self.zparams.release(param)
+
+    def drain_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for param in deferred:
+            if not self.tracker.is_pinned(param):
+                self._release_unpinned(param)
+
+    # ---- recovery and teardown -------------------------------------------------------
+
+    def release_everything_held(self) -> None:
+        """After a failed backward or at uninstall: no pin, no on-demand gather survives."""
+        for param in self.tracker.force_unpin_all():
+            Zero3Params.unpin(param)
+            self._deferred.append(param)
+        self._busy = 0
+        self.end_of_backward()
+        self.drain_deferred()
+
+    def release_backward_leftovers(self) -> None:
+        """Release params that modules of an interrupted backward still hold."""
+        coordinator = self.zparams.coordinator()
+        coordinator.release_backward_leftovers()
+        for param in self.params.values():
+            param.ds_active_sub_modules.clear()
+            if not param.ds_persist:
+                self.zparams.release(param)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        for param in self.params.values():
+            Zero3Params.unpin(param)
+
+    def counts(self) -> dict:
+        gathered = [p for p in self.params.values() if p.ds_status == Zero3Params.AVAILABLE and not p.ds_persist]
+        return {
+            "gathered_params": len(gathered),
+            "gathered_bytes": sum(p.ds_numel * p.element_size() for p in gathered),
+        }
