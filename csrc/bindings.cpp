@@ -60,7 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_local_exception_translator(translate_c10_errors);
   zero_lifetime::init_saved_param_type(m);
 
-  py::class_<Tracker>(m, "Tracker", py::custom_type_setup(setup_tracker_gc))
+  // module_local: a stale prebuilt _C and its JIT rebuild can both be loaded in one
+  // process (the loader imports the former to read its build hash); global registration
+  // of the same C++ type would make the second import fail.
+  py::class_<Tracker>(m, "Tracker", py::module_local(), py::custom_type_setup(setup_tracker_gc))
       .def(py::init<const std::string&, int64_t>(), py::arg("policy"),
            py::arg("max_pinned_bytes"))
       .def("set_callbacks", &Tracker::set_callbacks, py::arg("gather"), py::arg("on_pinned"),
