@@ -60,6 +60,8 @@ def _read_sources(csrc: Optional[Path]) -> List[str]:
 
 
 SOURCES: List[str] = _read_sources(CSRC_DIR)  # relative to CSRC_DIR
+# Files of csrc/ that matter to the build: hashed below and shipped by setup.py.
+SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".txt")
 
 
 def source_paths() -> List[str]:
@@ -89,7 +91,7 @@ def build_hash() -> str:
     h = hashlib.sha256()
     if CSRC_DIR is not None:
         for path in sorted(CSRC_DIR.rglob("*")):
-            if path.is_file() and path.suffix in (".h", ".hpp", ".cpp", ".cc", ".txt"):
+            if path.is_file() and path.suffix in SOURCE_SUFFIXES:
                 h.update(path.relative_to(CSRC_DIR).as_posix().encode())
                 h.update(path.read_bytes())
     h.update(" ".join(extra_cflags).encode())
