@@ -58,11 +58,15 @@ class Installation:
             self.tracker = None
             self.accumulation = Zero12Accumulation(engine.optimizer)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
-        self._latest_outputs = []  # weakrefs to the last forward's output tensors
+        self._latest_forward = _ForwardOutputs()
         self._entered_via_outputs = False
         self._failed_backwards = 0
         self._patched = []
         self._handles = [engine.module.register_forward_hook(self._on_root_forward)]
+        # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
+        # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
+        for param in self._trainable:
+            self._handles.append(param.register_hook(self._make_before_accumulate(param)))
         self._patch("forward", self._forward)
         self._patch("backward", self._backward)
         self._patch("zero_grad", self._zero_grad)
@@ -98,13 +102,17 @@ class Installation:
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
             if self.lifetime is None:
-                return original(*args, **kwargs)
-            self.lifetime.begin()
-            try:
-                with self.lifetime.saved_tensors_hooks():
-                    return original(*args, **kwargs)
-            finally:
-                self.lifetime.end()
+                output = original(*args, **kwargs)
+            else:
+                self.lifetime.begin()
+                try:
+                    with self.lifetime.saved_tensors_hooks():
+                        output = original(*args, **kwargs)
+                finally:
+                    self.lifetime.end()
+            # DeepSpeed attached its output hook managers inside the original forward.
+            self._latest_forward.set_managers(self.backward.output_hook_managers(_tensors_in(output)))
+            return output
 
         return forward
 
@@ -157,29 +165,41 @@ class Installation:
     # ---- backward detection ----------------------------------------------------------------
 
     def _on_root_forward(self, module, inputs, output):
-        tensors = [t for t in _tensors_in(output) if t.grad_fn is not None]
-        refs = [weakref.ref(t) for t in tensors]
-        self._latest_outputs = refs
-        for tensor in tensors:
-            tensor.register_hook(self._make_output_hook(refs))
+        if self.lifetime is not None:
+            self.lifetime.after_forward()
+        forward = _ForwardOutputs()
+        self._latest_forward = forward
+        for tensor in _tensors_in(output):
+            if tensor.grad_fn is not None:
+                tensor.register_hook(self._make_output_hook(forward))
         return None
 
-    def _make_output_hook(self, refs):
+    def _make_output_hook(self, forward):
 
         def on_output_grad(grad):
             if not self.scope.open:
                 self._entered_via_outputs = True
-                self._entry_outputs = [t for t in (r() for r in refs) if t is not None]
+                self._entry_managers = forward.managers()
                 self.scope.enter()
             return None
 
         return on_output_grad
 
+    def _make_before_accumulate(self, param):
+
+        def before_accumulate(grad):
+            self.enter_from_inner_hook()
+            if self.lifetime is not None:
+                self.lifetime.before_accumulate(param)
+            return None
+
+        return before_accumulate
+
     def enter_from_inner_hook(self) -> None:
         """Open a backward that reached us without passing the forward outputs."""
         if not self.scope.open:
             self._entered_via_outputs = False
-            self._entry_outputs = [t for t in (r() for r in self._latest_outputs) if t is not None]
+            self._entry_managers = self._latest_forward.managers()
             self.scope.enter()
 
     def _task_accumulates(self) -> bool:
@@ -198,22 +218,26 @@ class Installation:
         return False
 
     def _on_backward_start(self) -> None:
-        outputs = self._entry_outputs
-        self._entry_outputs = []
+        managers = self._entry_managers
+        self._entry_managers = []
         self._accumulating = self._task_accumulates()
         if not self._accumulating:
             # torch.autograd.grad: nothing reaches .grad, so DeepSpeed's prologue and
             # epilogue must not run (its epilogue would reduce empty buckets).
-            self.backward.suppress_output_hooks(outputs)
+            self.backward.suppress_output_hooks(managers)
         else:
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()
+                if self.lifetime is not None:
+                    self.lifetime.rearm_for_another_backward()
             if self.accumulation is not None:
                 self.accumulation.begin_backward()
             if self._entered_via_outputs:
-                self.backward.rearm_output_hooks(outputs)
-            elif not self.backward.in_engine_backward():
-                self.backward.suppress_output_hooks(outputs)
+                self.backward.rearm_output_hooks(managers)
+            else:
+                # Gradients reach params before the forward outputs (a gradient penalty's
+                # double-backward nodes run first): DeepSpeed's prologue must run now, once.
+                self.backward.suppress_output_hooks(managers)
                 self.backward.run_prologue()
         if self.lifetime is not None:
             self.lifetime.begin()
@@ -257,6 +281,19 @@ class Installation:
             result["regathers"] += self.lifetime.accumulate_regathers
             result.update(self.lifetime.counts())
         return result
+
+
+class _ForwardOutputs:
+    """DeepSpeed's output hook managers of one forward, held weakly (hooks keep them alive)."""
+
+    def __init__(self):
+        self._refs = []
+
+    def set_managers(self, managers) -> None:
+        self._refs = [weakref.ref(m) for m in managers]
+
+    def managers(self) -> list:
+        return [m for m in (r() for r in self._refs) if m is not None]
 
 
 def _tensors_in(value):

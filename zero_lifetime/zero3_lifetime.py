@@ -29,13 +29,14 @@ class Zero3Lifetime:
         self._busy = 0  # >0 while a forward or backward runs: releases are deferred then
         self.accumulate_regathers = 0
         self._hook_handles = []
+        self._modules = list(engine.module.modules())
+        self._counters_after_forward = []
 
         tracker.set_available_status(Zero3Params.AVAILABLE)
         tracker.set_callbacks(self._gather_for_unpack, Zero3Params.pin, self._on_unpinned)
         for param in self.params.values():
             tracker.register_param(param)
             if param.requires_grad:
-                self._hook_handles.append(param.register_hook(self._make_before_accumulate(param)))
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._after_accumulate))
         for module in engine.module.modules():
             self._hook_handles.append(module.register_forward_pre_hook(self._note_gathered, prepend=False))
@@ -52,6 +53,13 @@ class Zero3Lifetime:
             if param.ds_status == Zero3Params.AVAILABLE:
                 self.tracker.note_gathered(param)
 
+    def after_forward(self) -> None:
+        self._counters_after_forward = self.zparams.module_counters(self._modules)
+
+    def rearm_for_another_backward(self) -> None:
+        """Another backward over the same forward: DeepSpeed fetches per module as in the first."""
+        self.zparams.restore_module_counters(self._counters_after_forward)
+
     def begin(self) -> None:
         self._busy += 1
 
@@ -67,16 +75,12 @@ class Zero3Lifetime:
         if not self.tracker.is_pinned(param):
             self._regathered.add(param.ds_id)
 
-    def _make_before_accumulate(self, param):
-
-        def before_accumulate(grad):
-            if param.ds_status != Zero3Params.AVAILABLE:
-                self.zparams.gather(param)
-                self._regathered.add(param.ds_id)
-                self.accumulate_regathers += 1
-            return None
-
-        return before_accumulate
+    def before_accumulate(self, param) -> None:
+        """AccumulateGrad must never add a real gradient to a released (numel 0) param."""
+        if param.ds_status != Zero3Params.AVAILABLE:
+            self.zparams.gather(param)
+            self._regathered.add(param.ds_id)
+            self.accumulate_regathers += 1
 
     def _after_accumulate(self, param) -> None:
         # DeepSpeed's own post-accumulate hook (registered first) has reduced the grad.

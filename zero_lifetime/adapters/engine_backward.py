@@ -51,21 +51,21 @@ class EngineBackward:
         self.optimizer.zero_grad()
 
     @staticmethod
-    def rearm_output_hooks(outputs) -> int:
-        """Let DeepSpeed's output hooks run its prologue again for the next backward."""
-        rearmed = 0
-        for tensor in outputs:
-            for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ()):
-                manager.preprocess_done = False
-                rearmed += 1
-        return rearmed
+    def output_hook_managers(outputs) -> list:
+        """DeepSpeed's hook managers on a forward's outputs (they outlive the tensor objects)."""
+        return [manager for tensor in outputs for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ())]
 
     @staticmethod
-    def suppress_output_hooks(outputs) -> None:
+    def rearm_output_hooks(managers) -> None:
+        """Let DeepSpeed's output hooks run its prologue again for the next backward."""
+        for manager in managers:
+            manager.preprocess_done = False
+
+    @staticmethod
+    def suppress_output_hooks(managers) -> None:
         """Keep DeepSpeed's prologue from running for a graph task that accumulates nothing."""
-        for tensor in outputs:
-            for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ()):
-                manager.preprocess_done = True
+        for manager in managers:
+            manager.preprocess_done = True
 
     def run_prologue(self) -> None:
         """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""

@@ -10,6 +10,10 @@ from .errors import require
 # module ds_id (those count up from 0).
 PIN_MARK = -7352
 
+# Per-module backward counters set in forward and consumed by the first backward;
+# restoring them lets a second backward fetch and release module by module again.
+_MODULE_BACKWARD_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
+
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _INFLIGHT = "_PartitionedParameterCoordinator__inflight_param_registry"
 
@@ -61,6 +65,19 @@ class Zero3Params:
             return False
         param.partition()
         return True
+
+    @staticmethod
+    def module_counters(modules):
+        """The backward counters each module holds right after a forward."""
+        return [(m, tuple(m.__dict__.get(name) for name in _MODULE_BACKWARD_COUNTERS)) for m in modules
+                if "applied_pre_backward_ref_cnt" in m.__dict__]
+
+    @staticmethod
+    def restore_module_counters(snapshot) -> None:
+        for module, values in snapshot:
+            for name, value in zip(_MODULE_BACKWARD_COUNTERS, values):
+                if value is not None:
+                    module.__dict__[name] = value
 
     @staticmethod
     def pin(param) -> None:

@@ -1,0 +1,163 @@
+"""Real DeepSpeed engines and plain-torch oracles for the tests (CPU, fp32)."""
+
+import copy
+import logging
+
+import torch
+import torch.nn.functional as F
+
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import safe_get_full_fp32_param
+
+logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+IN, HIDDEN, OUT, VOCAB = 8, 16, 4, 11
+
+
+class MLPNorm(torch.nn.Module):
+    """Linear + LayerNorm (which saves its weight itself) + Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(IN, HIDDEN)
+        self.ln = torch.nn.LayerNorm(HIDDEN)
+        self.l2 = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        return self.l2(self.ln(torch.relu(self.l1(x))))
+
+
+class TiedLM(torch.nn.Module):
+    """Embedding whose weight is reused as the output projection (tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.ln = torch.nn.LayerNorm(HIDDEN)
+        self.mix = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, tokens):
+        h = self.ln(torch.tanh(self.mix(self.emb(tokens))))
+        return F.linear(h, self.emb.weight)
+
+
+class Checkpointed(torch.nn.Module):
+    """Two blocks under activation checkpointing (reentrant or not)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = torch.nn.Linear(IN, HIDDEN)
+        self.b1 = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh())
+        self.b2 = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh())
+        self.out = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in (self.b1, self.b2):
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+MODELS = {
+    "mlp_norm": MLPNorm,
+    "tied_lm": TiedLM,
+    "ckpt_reentrant": lambda: Checkpointed(True),
+    "ckpt_nonreentrant": lambda: Checkpointed(False),
+}
+
+
+def make_input(model_name: str, seed: int, batch: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    if model_name == "tied_lm":
+        return torch.randint(0, VOCAB, (batch, 5), generator=g)
+    return torch.randn(batch, IN, generator=g)
+
+
+def losses(out):
+    """Two different losses over one output: the multi-loss pattern."""
+    return out.pow(2).mean(), (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+
+
+def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, **zero):
+    zero_cfg = {"stage": stage}
+    if stage == 3:
+        zero_cfg["stage3_param_persistence_threshold"] = persistence
+    zero_cfg.update(zero)
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the oracle is plain SGD
+        "zero_optimization": zero_cfg,
+    }
+
+
+def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, **zero):
+    """A DeepSpeed engine and an identical plain-torch model with its SGD optimizer."""
+    torch.manual_seed(seed)
+    model = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    cfg = ds_config(stage, persistence, **zero)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg["optimizer"]["params"]["lr"])
+    return engine, reference, ref_opt
+
+
+def full_weights(engine):
+    return [safe_get_full_fp32_param(p).detach().clone() for p in engine.module.parameters()]
+
+
+def assert_weights_match(engine, reference, atol=1e-5, rtol=1e-4):
+    for (name, _), got, (_, want) in zip(engine.module.named_parameters(), full_weights(engine),
+                                         reference.named_parameters()):
+        torch.testing.assert_close(got, want.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def released_state(engine):
+    """(pinned-or-gathered non-persistent params, params with non-empty data while NOT_AVAILABLE)."""
+    gathered, inconsistent = [], []
+    for name, p in engine.module.named_parameters():
+        if getattr(p, "ds_persist", False):
+            continue
+        if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            gathered.append(name)
+        elif p.data.numel() != 0:
+            inconsistent.append(name)
+    return gathered, inconsistent
+
+
+def gathered_bytes(engine):
+    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
+               if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False))
+
+
+def two_backwards(engine, out, path: str, zero_grad: bool):
+    """Backward two losses of one forward through the engine, the manual or the scale path."""
+    l1, l2 = losses(out)
+    if path == "engine":
+        engine.backward(l1, retain_graph=True)
+    elif path == "manual":
+        l1.backward(retain_graph=True)
+    else:
+        engine.scale(l1, retain_graph=True).backward(retain_graph=True)
+    if zero_grad:
+        engine.zero_grad()
+    if path == "engine":
+        engine.backward(l2)
+    elif path == "manual":
+        l2.backward()
+    else:
+        engine.scale(l2).backward()
+
+
+def reference_two_backwards(reference, ref_opt, x, zero_grad: bool):
+    l1, l2 = losses(reference(x))
+    l1.backward(retain_graph=True)
+    if zero_grad:
+        ref_opt.zero_grad()
+    l2.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()

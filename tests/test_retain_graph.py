@@ -1,0 +1,139 @@
+"""Two backwards over one forward, on real DeepSpeed engines (1 rank), against plain torch."""
+
+import gc
+
+import pytest
+import torch
+
+import zero_lifetime
+from harness import (assert_weights_match, gathered_bytes, losses, make_input, make_pair, reference_two_backwards,
+                     released_state, two_backwards)
+
+
+def _run_steps(engine, reference, ref_opt, model_name, schedule, path, zero_grad):
+    """schedule: per step, 1 (single backward) or 2 (retained two-loss backward)."""
+    for step, backwards in enumerate(schedule):
+        x = make_input(model_name, seed=step)
+        if backwards == 1:
+            out = engine(x)
+            loss = losses(out)[0]
+            engine.backward(loss) if path == "engine" else loss.backward()
+            losses(reference(x))[0].backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        else:
+            two_backwards(engine, engine(x), path, zero_grad)
+            reference_two_backwards(reference, ref_opt, x, zero_grad)
+        engine.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("path", ["engine", "manual", "scale"])
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no_zero_grad"])
+def test_two_losses_match_torch(stage, path, zero_grad):
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+    _run_steps(engine, reference, ref_opt, "mlp_norm", [2], path, zero_grad)
+    assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("model_name", ["mlp_norm", "tied_lm"])
+@pytest.mark.parametrize("persistence", [0, 100_000], ids=["persist0", "persist_default"])
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_stage3_alternating_steps(model_name, persistence, policy):
+    engine, reference, ref_opt = make_pair(model_name, 3, persistence=persistence)
+    zero_lifetime.install(engine, policy=policy)
+    _run_steps(engine, reference, ref_opt, model_name, [2, 1, 2, 2, 1], "manual", zero_grad=False)
+    assert_weights_match(engine, reference)
+    gc.collect()
+    stats = zero_lifetime.stats(engine)
+    assert stats["pinned_params"] == 0 and stats["live_handles"] == 0, stats
+    assert released_state(engine) == ([], [])
+
+
+@pytest.mark.parametrize("model_name", ["ckpt_reentrant", "ckpt_nonreentrant"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_activation_checkpointing(model_name, stage):
+    engine, reference, ref_opt = make_pair(model_name, stage)
+    zero_lifetime.install(engine)
+    _run_steps(engine, reference, ref_opt, model_name, [2, 1, 2], "engine", zero_grad=True)
+    assert_weights_match(engine, reference)
+    if stage == 3:
+        assert released_state(engine) == ([], [])
+
+
+def test_stock_stage3_fails_without_install():
+    """The oracle for the bug: without zero_lifetime the second backward crashes."""
+    engine, *_ = make_pair("mlp_norm", 3)
+    with pytest.raises(RuntimeError, match="size of tensor a \\(0\\)"):
+        two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=True)
+
+
+def test_regather_keeps_stock_memory_and_pin_keeps_params():
+    stock, *_ = make_pair("mlp_norm", 3)
+    x = make_input("mlp_norm", 0)
+    stock_out = stock(x)
+    stock_bytes = gathered_bytes(stock)
+
+    regather, *_ = make_pair("mlp_norm", 3)
+    zero_lifetime.install(regather, policy="regather")
+    out = regather(x)
+    assert gathered_bytes(regather) == stock_bytes == 0
+    assert zero_lifetime.stats(regather)["live_handles"] > 0
+
+    pin, *_ = make_pair("mlp_norm", 3)
+    zero_lifetime.install(pin, policy="pin")
+    pin_out = pin(x)
+    total = sum(p.ds_numel * p.element_size() for p in pin.module.parameters())
+    stats = zero_lifetime.stats(pin)
+    assert stats["pinned_params"] == len(list(pin.module.parameters()))
+    assert stats["pinned_bytes"] == gathered_bytes(pin) == total
+    # A retained graph simply dropped releases its pins when it is freed.
+    del pin_out
+    gc.collect()
+    stats = zero_lifetime.stats(pin)
+    assert stats["pinned_params"] == 0 and stats["peak_pinned_bytes"] == total
+    assert released_state(pin) == ([], [])
+    del out, stock_out
+
+
+def test_pin_budget_falls_back_to_regather():
+    engine, reference, ref_opt = make_pair("mlp_norm", 3)
+    sizes = sorted(p.ds_numel * p.element_size() for p in engine.module.parameters())
+    budget = sizes[-1]  # room for the largest param alone
+    zero_lifetime.install(engine, policy="pin", max_pinned_bytes=budget)
+    x = make_input("mlp_norm", 0)
+    out = engine(x)
+    stats = zero_lifetime.stats(engine)
+    assert 0 < stats["pinned_bytes"] <= budget
+    assert stats["pin_budget_fallbacks"] > 0
+    two_backwards(engine, out, "engine", zero_grad=False)
+    engine.step()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
+    assert_weights_match(engine, reference)
+    assert zero_lifetime.stats(engine)["peak_pinned_bytes"] <= budget
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_penalty(stage):
+    """autograd.grad(create_graph=True), then backward through the result (fails on stock)."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+
+    def penalty_step(model, x):
+        x = x.clone().requires_grad_(True)
+        out = model(x)
+        (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        return out.mean() + grad_x.pow(2).sum()
+
+    for step in range(2):
+        x = make_input("mlp_norm", step)
+        penalty_step(engine, x).backward()
+        engine.step()
+        penalty_step(reference, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    if stage == 3:
+        gc.collect()
+        assert released_state(engine) == ([], [])
