@@ -255,6 +255,9 @@ class Installation:
             return
         self._failed_backwards += 1
         self.backward.reset_after_failed_backward()
+        self.backward.discard_interrupted_reduction()
+        if self.accumulation is not None:
+            self.accumulation.grads_cleared()
         if self.lifetime is not None:
             self.lifetime.release_everything_held()
             self.lifetime.release_backward_leftovers()

@@ -78,3 +78,30 @@ class EngineBackward:
         state.post_backward_callback_queued = False
         state.post_backward_callback_graph_task_id = None
         state.remaining_grad_acc_hooks = 0
+
+    def discard_interrupted_reduction(self) -> None:
+        """Drop the gradients an interrupted backward left in the reduction buckets.
+
+        Otherwise the next backward adds the same params to a bucket again (ZeRO-3
+        asserts on the duplicates) and the failed step's partial gradients leak into it.
+        """
+        optimizer = self.optimizer
+        for bucket in getattr(optimizer, "ipg_buckets", {}).values():
+            if hasattr(bucket, "clear_params"):
+                bucket.clear_params()
+            else:
+                bucket.params.clear()
+                if hasattr(bucket, "grads"):
+                    bucket.grads.clear()
+                bucket.elements = 0
+        reduced = getattr(optimizer, "params_already_reduced", None)
+        if isinstance(reduced, dict):
+            for key in reduced:
+                reduced[key] = False
+        elif isinstance(reduced, list):
+            reduced[:] = [False] * len(reduced)
+        # Drop param.grad ourselves first: ZeRO-3's zero_grad() calls record_stream on
+        # a leftover grad, which fails on the CPU accelerator ("unknown parameter type").
+        for param in self.engine.module.parameters():
+            param.grad = None
+        optimizer.zero_grad()

@@ -1,0 +1,114 @@
+"""install / uninstall / stats contract, bad input, and recovery from a failed backward."""
+
+import gc
+import logging
+
+import pytest
+import torch
+
+import zero_lifetime
+from zero_lifetime.adapters import UnsupportedDeepSpeedError
+from harness import (assert_weights_match, losses, make_input, make_pair, reference_two_backwards, released_state,
+                     two_backwards)
+
+STATS_KEYS = {"pinned_params", "pinned_bytes", "peak_pinned_bytes", "deferred_releases", "regathers"}
+
+
+def test_install_rejects_non_engine():
+    with pytest.raises(TypeError, match="DeepSpeedEngine"):
+        zero_lifetime.install(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("kwargs, match", [({"policy": "keep"}, "policy"), ({"max_pinned_bytes": -5}, "max_pinned"),
+                                           ({"max_pinned_bytes": 1.5}, "max_pinned")])
+def test_install_rejects_bad_arguments(kwargs, match):
+    engine, *_ = make_pair("mlp_norm", 3)
+    with pytest.raises(ValueError, match=match):
+        zero_lifetime.install(engine, **kwargs)
+
+
+def test_install_twice_returns_same_handle_and_uninstall_restores():
+    engine, *_ = make_pair("mlp_norm", 3)
+    patched = ("forward", "backward", "zero_grad", "step", "scale")
+    before = {name: getattr(engine, name).__func__ for name in patched}
+    handle = zero_lifetime.install(engine)
+    assert zero_lifetime.install(engine, policy="pin") is handle
+    assert all(name in engine.__dict__ for name in patched)
+    assert STATS_KEYS <= set(zero_lifetime.stats(engine))
+    assert zero_lifetime.uninstall(engine) is True
+    assert {name: getattr(engine, name).__func__ for name in patched} == before
+    assert zero_lifetime.uninstall(engine) is False
+    with pytest.raises(ValueError, match="not installed"):
+        zero_lifetime.stats(engine)
+    # Stock behaviour is back: the upstream failure returns.
+    with pytest.raises(RuntimeError, match="size of tensor a \\(0\\)"):
+        two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage12_install_leaves_stage3_machinery_alone(stage):
+    engine, *_ = make_pair("mlp_norm", stage)
+    handle = zero_lifetime.install(engine)
+    assert handle.lifetime is None and handle.tracker is None
+    stats = zero_lifetime.stats(engine)
+    assert stats["stage"] == stage and stats["pinned_params"] == 0
+
+
+def test_unknown_deepspeed_internals_fail_clearly(monkeypatch):
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    monkeypatch.delattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__release_param")
+    engine, *_ = make_pair("mlp_norm", 3)
+    with pytest.raises(UnsupportedDeepSpeedError, match="Supported DeepSpeed versions: 0.19.8"):
+        zero_lifetime.install(engine)
+    assert "forward" not in engine.__dict__
+    with pytest.warns(RuntimeWarning, match="Continuing without zero_lifetime"):
+        assert zero_lifetime.install(engine, strict=False) is None
+    assert "forward" not in engine.__dict__
+
+
+def test_semantics_logged_once_at_install(caplog):
+    engine, *_ = make_pair("mlp_norm", 2)
+    with caplog.at_level(logging.INFO, logger="zero_lifetime"):
+        zero_lifetime.install(engine)
+        zero_lifetime.install(engine)
+    assert sum("torch semantics" in r.message for r in caplog.records) == 1
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+@pytest.mark.parametrize("path", ["engine", "manual"])
+def test_exception_mid_backward_leaves_nothing_held(policy, path):
+    engine, reference, ref_opt = make_pair("mlp_norm", 3)
+    zero_lifetime.install(engine, policy=policy)
+
+    def explode(grad):
+        raise Boom()
+
+    def failing_backward():
+        # In a function, so no traceback frame keeps the graph alive afterwards.
+        l1, _ = losses(engine(make_input("mlp_norm", 99)))
+        try:
+            engine.backward(l1, retain_graph=True) if path == "engine" else l1.backward(retain_graph=True)
+        except Boom:
+            return True
+        return False
+
+    handle = engine.module.l1.weight.register_hook(explode)
+    assert failing_backward()
+    handle.remove()
+    gc.collect()
+    engine.zero_grad()  # the next call notices the dead backward and cleans up
+    stats = zero_lifetime.stats(engine)
+    assert stats["failed_backwards"] == 1
+    assert stats["pinned_params"] == 0 and stats["live_handles"] == 0, stats
+    assert released_state(engine) == ([], [])
+
+    # The next step runs and is correct (the failed step contributed nothing).
+    x = make_input("mlp_norm", 0)
+    two_backwards(engine, engine(x), path, zero_grad=False)
+    engine.step()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
+    assert_weights_match(engine, reference)
