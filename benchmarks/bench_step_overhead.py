@@ -1,0 +1,170 @@
+"""Overhead of zero_lifetime.install on a ZeRO-3 training step, side by side with stock.
+
+One process, 1 rank (gloo, CPU). A small transformer; stock and installed engines
+are built from the same weights and their steps are interleaved, so machine noise
+hits both alike. Reports medians and the ratio, plus gathered bytes (params held
+gathered beyond persistence) after forward and at peak during a retained
+two-backward step under each policy.
+
+    python benchmarks/bench_step_overhead.py [--steps 30] [--layers 4] [--width 256]
+"""
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                   ("LOCAL_SIZE", "1")):
+    os.environ.setdefault(key, value)
+if "MASTER_PORT" not in os.environ:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import deepspeed  # noqa: E402
+import zero_lifetime  # noqa: E402
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
+
+
+class TinyTransformer(torch.nn.Module):
+
+    def __init__(self, layers, width, vocab=512):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, batch_first=True,
+                                                 dropout=0.0)
+        self.blocks = torch.nn.ModuleList(copy.deepcopy(layer) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def make_engine(model, **zero):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+    }
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
+    return engine
+
+
+def gathered_bytes(engine):
+    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
+               if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
+
+
+class PeakGathered:
+    """Sample gathered bytes at every module forward and every gradient accumulation."""
+
+    def __init__(self, engine):
+        self.engine, self.peak, self.handles = engine, 0, []
+        for module in engine.module.modules():
+            self.handles.append(module.register_forward_hook(lambda *a: self.sample()))
+        for param in engine.module.parameters():
+            self.handles.append(param.register_post_accumulate_grad_hook(lambda p: self.sample()))
+
+    def sample(self):
+        self.peak = max(self.peak, gathered_bytes(self.engine))
+
+    def reset(self):
+        self.peak = 0
+
+
+def single_backward_step(engine, tokens):
+    logits = engine(tokens)
+    engine.backward(logits.float().pow(2).mean())
+    engine.step()
+
+
+def retained_step(engine, tokens):
+    logits = engine(tokens)
+    engine.backward(logits.pow(2).mean(), retain_graph=True)
+    engine.backward(logits.mean())
+    engine.step()
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    model = TinyTransformer(args.layers, args.width)
+    stock = make_engine(model)
+    installed = make_engine(model)
+    zero_lifetime.install(installed)
+    tokens = torch.randint(0, 512, (8, args.seq))
+
+    for engine in (stock, installed):  # warm-up: trace recording, first gathers
+        for _ in range(3):
+            single_backward_step(engine, tokens)
+    times = {"stock": [], "installed": []}
+    for _ in range(args.steps):
+        times["stock"].append(timed(single_backward_step, stock, tokens))
+        times["installed"].append(timed(single_backward_step, installed, tokens))
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    n_params = sum(p.ds_numel for p in stock.module.parameters())
+    print(f"ZeRO-3 single-backward step, {n_params / 1e6:.2f}M params, {args.steps} interleaved steps, "
+          f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
+    print(f"  stock      median {med['stock']:8.2f} ms")
+    print(f"  installed  median {med['installed']:8.2f} ms   overhead {100 * (med['installed'] / med['stock'] - 1):+.2f}%")
+
+    # Memory: gathered bytes after forward and at peak (stock single backward vs retained windows).
+    # Release eagerly (no reuse window, no prefetch) so that stock frees module by module.
+    eager = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    rows = []
+    stock = make_engine(model, **eager)
+    for _ in range(3):
+        single_backward_step(stock, tokens)
+    probe = PeakGathered(stock)
+    logits = stock(tokens)
+    after_forward = gathered_bytes(stock)
+    stock.backward(logits.pow(2).mean())
+    stock.step()
+    rows.append(("stock, single backward", after_forward, probe.peak))
+    for policy in ("regather", "pin"):
+        engine = make_engine(model, **eager)
+        zero_lifetime.install(engine, policy=policy)
+        for _ in range(3):  # same warm-up as the stock engine: a recorded trace
+            single_backward_step(engine, tokens)
+        probe = PeakGathered(engine)
+        logits = engine(tokens)
+        after_forward = gathered_bytes(engine)
+        engine.backward(logits.pow(2).mean(), retain_graph=True)
+        engine.backward(logits.mean())
+        engine.step()
+        del logits
+        rows.append((f"installed {policy}, retained two backwards", after_forward, probe.peak))
+    base_peak = rows[0][2]
+    print("Gathered (non-persistent) param bytes, stage3_max_reuse_distance=0, no prefetch:")
+    for name, after, peak in rows:
+        print(f"  {name:42s} after forward {after / 2**20:7.2f} MiB   peak {peak / 2**20:7.2f} MiB "
+              f"({100 * (peak / base_peak - 1):+.1f}% vs stock)")
+
+
+if __name__ == "__main__":
+    main()
