@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install everything zero_lifetime needs on a fresh CPU machine, then build and install it.
+# Idempotent: already-satisfied pins install nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first and pinned: an unpinned torch (or one pulled in by deepspeed) would
+# fetch a multi-GB CUDA build; 2.13.0 is the CPU build this project supports.
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q "deepspeed==0.19.8" "pybind11>=2.12" ninja "pytest>=8"
+# Builds the C++ core ahead of time (zero_lifetime._C) against the installed torch.
+"$PY" -m pip install -q --no-build-isolation -e .
