@@ -63,7 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: a stale prebuilt _C and its JIT rebuild can both be loaded in one
   // process (the loader imports the former to read its build hash); global registration
   // of the same C++ type would make the second import fail.
-  py::class_<Tracker>(m, "Tracker", py::module_local(), py::custom_type_setup(setup_tracker_gc))
+  auto tracker_class =
+      py::class_<Tracker>(m, "Tracker", py::module_local(), py::custom_type_setup(setup_tracker_gc))
       .def(py::init<const std::string&, int64_t>(), py::arg("policy"),
            py::arg("max_pinned_bytes"))
       .def("set_callbacks", &Tracker::set_callbacks, py::arg("gather"), py::arg("on_pinned"),
@@ -73,13 +74,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unregister_all", &Tracker::unregister_all)
       .def("note_gathered", &Tracker::note_gathered, py::arg("param"))
       .def("note_released", &Tracker::note_released, py::arg("param"))
-      // Hot path: positional-only, no keyword names to match.
-      .def("pack",
-           [](py::handle self, py::handle tensor) {
-             return py::cast<Tracker&>(self).pack(self, tensor);
-           })
-      .def("unpack",
-           [](Tracker& self, py::handle obj) { return self.unpack(obj); })
       .def("refcount", &Tracker::refcount, py::arg("param"))
       .def("is_pinned", &Tracker::is_pinned, py::arg("param"))
       .def("force_unpin_all", &Tracker::force_unpin_all)
@@ -91,4 +85,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return "zero_lifetime._C.Tracker(policy='" + self.policy() +
                "', max_pinned_bytes=" + std::to_string(self.max_pinned_bytes()) + ")";
       });
+  zero_lifetime::add_hot_path_methods(tracker_class);  // pack / unpack
 }

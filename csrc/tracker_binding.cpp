@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <new>
+#include <typeinfo>
 #include <utility>
 
 namespace zero_lifetime {
@@ -88,6 +89,23 @@ py::object borrow(py::handle h) { return py::reinterpret_borrow<py::object>(h); 
 const at::Tensor& tensor_of(py::handle param) { return THPVariable_Unpack(param.ptr()); }
 
 int64_t nbytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.itemsize()); }
+
+// A dense tensor backed by a plain TensorImpl (CPU/CUDA), not a subclass such as a
+// Python-dispatch wrapper or a functional tensor: only for those do the fast paths
+// below, which bypass the dispatcher, produce what the dispatcher would.
+bool is_plain_dense(const at::TensorBase& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(c10::TensorImpl) && impl->has_storage() &&
+         t.layout() == c10::kStrided;
+}
+
+// Same data, no autograd history. variable_data() (what `.data` does) skips the
+// dispatcher round trip of detach(); the differences (own version counter, no view
+// tracking) do not matter for a saved tensor: autograd skips version checks when
+// saved-tensor hooks are used, and hands it back unchanged on unpack.
+at::Tensor alias_without_autograd(const at::Tensor& t) {
+  return is_plain_dense(t) ? at::Tensor(t.variable_data()) : t.detach();
+}
 
 // Elements spanned by a strided view: 1 + sum((size-1)*stride), 0 when empty.
 int64_t extent_in_elements(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
@@ -226,6 +244,57 @@ const Tracker::ParamEntry* Tracker::resolve_by_address(const at::Tensor& t, int6
   return &entry->second;
 }
 
+namespace {
+// Runs `body` for a CPython entry point: C++ exceptions become the matching Python error.
+template <typename Body>
+PyObject* translate_exceptions(Body&& body) {
+  try {
+    return body();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyObject* tracker_pack(PyObject* self, PyObject* tensor) {
+  return translate_exceptions(
+      [&] { return py::cast<Tracker&>(py::handle(self)).pack(self, tensor).release().ptr(); });
+}
+
+PyObject* tracker_unpack(PyObject* self, PyObject* obj) {
+  return translate_exceptions(
+      [&] { return py::cast<Tracker&>(py::handle(self)).unpack(obj).release().ptr(); });
+}
+
+PyMethodDef hot_path_methods[] = {
+    {"pack", tracker_pack, METH_O,
+     "pack(tensor) -> SavedParam | Tensor: saved_tensors_hooks pack hook"},
+    {"unpack", tracker_unpack, METH_O,
+     "unpack(obj) -> Tensor: saved_tensors_hooks unpack hook"},
+};
+}  // namespace
+
+void add_hot_path_methods(py::handle tracker_type) {
+  // Plain METH_O method descriptors: calling them skips pybind11's overload dispatch and
+  // argument conversion, which costs more than the work pack/unpack do for most tensors.
+  for (PyMethodDef& def : hot_path_methods) {
+    py::object descr = py::reinterpret_steal<py::object>(
+        PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(tracker_type.ptr()), &def));
+    if (!descr) throw py::error_already_set();
+    py::setattr(tracker_type, def.ml_name, descr);
+  }
+}
+
 py::object Tracker::pack(py::handle self, py::handle obj) {
   if (!THPVariable_Check(obj.ptr())) return borrow(obj);
   const at::Tensor& t = THPVariable_Unpack(obj.ptr());
@@ -235,7 +304,7 @@ py::object Tracker::pack(py::handle self, py::handle obj) {
     // Returning a tensor that owns a grad_fn would make the graph reference itself
     // through the saved tensor: an uncollectable cycle.
     if (!t.grad_fn()) return borrow(obj);
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(alias_without_autograd(t)));
   }
 
   const at::Tensor& p = tensor_of(entry->param);
@@ -305,9 +374,30 @@ py::object Tracker::unpack(py::handle obj) {
   }
   // A plain, grad-less view of the current data: autograd re-attaches the grad metadata
   // it recorded at pack time.
-  const at::Tensor data = p.variable_data();
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(
-      data.as_strided(h->sizes, h->strides, data.storage_offset() + h->delta)));
+  return py::reinterpret_steal<py::object>(
+      THPVariable_Wrap(restore_view(p, h->sizes, h->strides, h->delta, h->id)));
+}
+
+at::Tensor Tracker::restore_view(const at::Tensor& p, c10::IntArrayRef sizes,
+                                 c10::IntArrayRef strides, int64_t delta, int64_t id) {
+  const int64_t offset = p.storage_offset() + delta;
+  if (!is_plain_dense(p)) {
+    const at::Tensor data = p.variable_data();
+    return data.as_strided(sizes, strides, offset);
+  }
+  // Equivalent to p.data.as_strided(...) with one TensorImpl instead of two and no
+  // dispatcher; as as_strided would, refuse geometry outside the storage.
+  const int64_t extent = extent_in_elements(sizes, strides);
+  const auto itemsize = static_cast<int64_t>(p.itemsize());
+  TORCH_CHECK(offset >= 0 && (offset + extent) * itemsize <=
+                                 static_cast<int64_t>(p.storage().nbytes()),
+              "zero_lifetime: saved view of param ds_id=", id, " (offset ", offset,
+              ", extent ", extent, " elements) lies outside its gathered storage");
+  c10::intrusive_ptr<c10::TensorImpl> impl = p.unsafeGetTensorImpl()->shallow_copy_and_detach(
+      c10::VariableVersion(/*version=*/0), /*allow_tensor_metadata_change=*/true);
+  impl->set_autograd_meta(nullptr);
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  return at::Tensor(std::move(impl));
 }
 
 void Tracker::release_handle(int64_t id, uint64_t generation) {

@@ -23,6 +23,8 @@ namespace py = pybind11;
 // creating one and recognising one in unpack() costs next to nothing on the hot path.
 extern PyTypeObject SavedParamType;
 void init_saved_param_type(py::module_& m);
+// Installs Tracker.pack / Tracker.unpack as METH_O methods on the bound Tracker type.
+void add_hot_path_methods(py::handle tracker_type);
 
 // Hidden visibility like pybind11's own types, which it holds (avoids -Wattributes).
 class __attribute__((visibility("hidden"))) Tracker {
@@ -68,6 +70,8 @@ class __attribute__((visibility("hidden"))) Tracker {
   const ParamEntry* resolve(const at::Tensor& t, int64_t& id) const;
   const ParamEntry* resolve_by_address(const at::Tensor& t, int64_t& id) const;
   bool needs_gather(py::handle param, int64_t full_numel, const at::Tensor& data) const;
+  static at::Tensor restore_view(const at::Tensor& p, c10::IntArrayRef sizes,
+                                 c10::IntArrayRef strides, int64_t delta, int64_t id);
 
   LifetimeCore core_;
   std::unordered_map<int64_t, ParamEntry> params_;

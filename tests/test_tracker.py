@@ -501,6 +501,22 @@ def test_on_pinned_error_propagates_and_gives_reference_back(Tracker):
     assert tr.refcount(p) == 0 and tr.stats()["live_handles"] == 0 and unpinned == [p]
 
 
+def test_tracker_in_a_reference_cycle_is_collected(Tracker):
+    """Callbacks usually close over the engine that owns the tracker: a cycle GC must break."""
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.tracker = Tracker("pin", -1)
+    owner.tracker.set_callbacks(lambda p: owner, lambda p: owner, lambda p: owner)
+    p = make_param(0, torch.randn(3))
+    owner.tracker.register_param(p)
+    owner_ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert owner_ref() is None
+
+
 # ------------------------------------------------------------------ threads
 def test_handles_destroyed_on_other_threads(Tracker):
     sim, params, _, _ = build(Tracker, "pin")
