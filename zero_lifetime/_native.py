@@ -55,7 +55,10 @@ CSRC_DIR: Optional[Path] = _find_csrc()
 def _read_sources(csrc: Optional[Path]) -> List[str]:
     if csrc is None:
         return []
-    lines = (csrc / "sources.txt").read_text().splitlines()
+    try:
+        lines = (csrc / "sources.txt").read_text().splitlines()
+    except OSError:  # importing must never fail; load() reports the missing sources
+        return []
     return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
@@ -93,7 +96,10 @@ def build_hash() -> str:
         for path in sorted(CSRC_DIR.rglob("*")):
             if path.is_file() and path.suffix in SOURCE_SUFFIXES:
                 h.update(path.relative_to(CSRC_DIR).as_posix().encode())
-                h.update(path.read_bytes())
+                try:
+                    h.update(path.read_bytes())
+                except OSError:
+                    h.update(b"<unreadable>")
     h.update(" ".join(extra_cflags).encode())
     h.update(_torch_version().encode())
     h.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())

@@ -243,12 +243,17 @@ class Tracker:
         if not self._range_starts:
             return None
         # (c) shares the param's memory without autograd view tracking (e.g. p.data[2:])
-        t_start = t.data_ptr()
+        if t.layout is not torch.strided or t.numel() == 0:
+            return None
+        try:
+            t_start = t.data_ptr()
+        except RuntimeError:  # e.g. tensor subclasses without accessible data
+            return None
         ds_id = self._lookup(t_start)
         if ds_id < 0:
             return None
         p = self._params[ds_id]
-        if t.dtype != p.dtype or t.numel() == 0:
+        if t.dtype != p.dtype or t.device != p.device:
             return None
         itemsize = t.element_size()
         p_start = p.data_ptr()
