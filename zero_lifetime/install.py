@@ -1,6 +1,5 @@
 """install(engine) / uninstall(engine) / stats(engine): the public entry points."""
 
-import contextlib
 import logging
 import threading
 import warnings
@@ -60,6 +59,7 @@ class Installation:
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         self._latest_forward = _ForwardOutputs()
         self._entered_via_outputs = False
+        self._entry_managers = []  # DeepSpeed output hook managers of the backward being opened
         self._failed_backwards = 0
         self._patched = []
         self._handles = [engine.module.register_forward_hook(self._on_root_forward)]
@@ -220,8 +220,7 @@ class Installation:
     def _on_backward_start(self) -> None:
         managers = self._entry_managers
         self._entry_managers = []
-        self._accumulating = self._task_accumulates()
-        if not self._accumulating:
+        if not self._task_accumulates():
             # torch.autograd.grad: nothing reaches .grad, so DeepSpeed's prologue and
             # epilogue must not run (its epilogue would reduce empty buckets).
             self.backward.suppress_output_hooks(managers)
@@ -279,7 +278,7 @@ class Installation:
             "failed_backwards": self._failed_backwards,
         }
         if self.lifetime is not None:
-            self.lifetime.drain_deferred() if not self.lifetime._busy else None
+            self.lifetime.drain_deferred_if_idle()
             result.update(self.tracker.stats())
             result["regathers"] += self.lifetime.accumulate_regathers
             result.update(self.lifetime.counts())

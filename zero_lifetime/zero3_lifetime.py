@@ -108,6 +108,10 @@ class Zero3Lifetime:
     def _release_unpinned(self, param) -> None:
         self.zparams.release(param)
 
+    def drain_deferred_if_idle(self) -> None:
+        if not self._busy:
+            self.drain_deferred()
+
     def drain_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for param in deferred:
