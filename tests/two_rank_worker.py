@@ -1,0 +1,296 @@
+"""Rank process for tests/test_two_ranks.py: every 2-rank scenario in one spawn.
+
+Each rank runs every scenario in SCENARIOS in order. A scenario is a fresh DeepSpeed
+engine, with zero_lifetime installed or not, plus two fresh oracles built from the
+same seed and fed the same per-rank data shards:
+
+* ``ddp``: torch DistributedDataParallel over the same gloo group. DDP reduces only
+  the first backward after a forward (its reducer stops expecting hooks once that
+  backward finishes), so a second backward over a retained graph is never reduced.
+  The DDP oracle therefore runs ONE backward of the loss whose gradient torch's
+  two-backward semantics define: l1 + l2 with no zero_grad between them, and l2
+  with one.
+* ``allreduce``: a plain model that runs the two backwards itself, then averages
+  its .grad over the ranks with all_reduce. It checks the DDP oracle.
+
+One JSON line per scenario and rank goes to ``<out>/rank<r>.jsonl``; the parent
+asserts on them. This module imports nothing heavy at the top: the parent imports
+it for SCENARIOS, and each rank imports DeepSpeed only after setting its env.
+"""
+
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+WORLD = 2
+ATOL, RTOL = 1e-5, 1e-4
+STEPS = 3
+# SGD step sizes that keep 3 steps of the unbounded linear loss (harness.losses) tame,
+# so the comparison is not amplified by a diverging run (lr 0.1 blows both models up).
+LR = {"mlp_norm": 0.01, "tied_lm": 0.001}
+# A rank whose peer raised mid-scenario may wait forever (seen: a DeepSpeed collective on
+# the CPU, which can go through its shm comm op, ignored the gloo timeout); plain gloo
+# collectives give up after COLLECTIVE_TIMEOUT_S.
+# The per-scenario status exchange, on its own gloo group, outlasts the latter and
+# raises in the rank that failed alone, so the spawn ends (the parent kills the rest).
+COLLECTIVE_TIMEOUT_S = 30
+CONTROL_TIMEOUT_S = 45
+
+
+def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
+              persistence=0, schedule=None, install=True):
+    return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
+                persistence=persistence, schedule=schedule or [2] * STEPS, install=install)
+
+
+def _build_scenarios():
+    out = []
+    # Sanity first: one plain backward per step, as DDP itself does it.
+    for stage in (1, 2, 3):
+        out.append(_scenario(f"sanity-stage{stage}", "steps", stage, schedule=[1] * STEPS))
+    zg_ids = {True: "zero_grad", False: "no_zero_grad"}
+    for stage in (1, 2):
+        for path in ("engine", "manual"):
+            for zero_grad in (True, False):
+                out.append(_scenario(f"two-stage{stage}-{path}-{zg_ids[zero_grad]}", "steps", stage, path, zero_grad))
+    # Stage 3: every model x policy x path x zero_grad with all params partitioned
+    # (persistence 0); with the default threshold (100000: these small models then keep
+    # every param persistent, so the policy has nothing to do) every model x path x zero_grad.
+    for model in ("mlp_norm", "tied_lm"):
+        for persistence, policies in ((0, ("regather", "pin")), (100_000, ("regather", ))):
+            for policy in policies:
+                for path in ("engine", "manual"):
+                    for zero_grad in (True, False):
+                        sid = f"two-stage3-{model}-persist{persistence}-{policy}-{path}-{zg_ids[zero_grad]}"
+                        out.append(_scenario(sid, "steps", 3, path, zero_grad, policy, model, persistence))
+    for policy in ("regather", "pin"):
+        for path in ("engine", "manual"):
+            out.append(_scenario(f"penalty-stage3-{policy}-{path}", "penalty", 3, path, policy=policy))
+    for model in ("mlp_norm", "tied_lm"):
+        for policy in ("regather", "pin"):
+            out.append(_scenario(f"alternating-stage3-{model}-{policy}", "steps", 3, "manual", False, policy, model,
+                                 schedule=[2, 1, 2]))
+    # Last: a failing backward may leave DeepSpeed's global state odd.
+    out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
+    return out
+
+
+SCENARIOS = _build_scenarios()
+
+
+# --------------------------------------------------------------------------------------------
+# everything below runs in a rank process
+
+
+def _set_env(rank, port):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+
+
+def _quiet(log_path):
+    """Send this rank's stdout/stderr (fd level: DeepSpeed and C++ too) to a log file."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _shard(model_name, step, rank):
+    from harness import make_input
+    return make_input(model_name, seed=1000 + 10 * step + rank)  # a different shard per rank
+
+
+def _penalty_loss(model, x):
+    import torch
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    return out.mean() + grad_x.pow(2).sum()
+
+
+def _engine_step(engine, sc, step, backwards, rank):
+    from harness import losses, two_backwards
+    x = _shard(sc["model"], step, rank)
+    if sc["kind"] == "penalty":
+        loss = _penalty_loss(engine, x)
+        engine.backward(loss) if sc["path"] == "engine" else loss.backward()
+    elif backwards == 1:
+        loss = losses(engine(x))[0]
+        engine.backward(loss) if sc["path"] == "engine" else loss.backward()
+    else:
+        two_backwards(engine, engine(x), sc["path"], sc["zero_grad"])
+    engine.step()
+
+
+def _ddp_step(ddp, opt, sc, step, backwards, rank):
+    from harness import losses
+    x = _shard(sc["model"], step, rank)
+    if sc["kind"] == "penalty":
+        loss = _penalty_loss(ddp, x)
+    elif backwards == 1:
+        loss = losses(ddp(x))[0]
+    else:
+        l1, l2 = losses(ddp(x))
+        loss = l2 if sc["zero_grad"] else l1 + l2  # torch's two-backward result, one reduced backward
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _allreduce_step(model, opt, sc, step, backwards, rank):
+    import torch.distributed as dist
+    from harness import losses
+    x = _shard(sc["model"], step, rank)
+    if sc["kind"] == "penalty":
+        _penalty_loss(model, x).backward()
+    elif backwards == 1:
+        losses(model(x))[0].backward()
+    else:
+        l1, l2 = losses(model(x))
+        l1.backward(retain_graph=True)
+        if sc["zero_grad"]:
+            opt.zero_grad()
+        l2.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= WORLD
+    opt.step()
+    opt.zero_grad()
+
+
+def _compare(got, want):
+    """Per param: max |got - want| and max (|got - want| - RTOL |want|) (<= ATOL passes).
+
+    A non-finite value on either side reports inf (NaN would compare as passing)."""
+    abs_diff, excess = {}, {}
+    for name, g, w in zip(want.keys(), got, want.values()):
+        if g.shape != w.shape or not (g.isfinite().all() and w.isfinite().all()):
+            abs_diff[name] = excess[name] = float("inf")
+            continue
+        d = (g - w).abs()
+        abs_diff[name] = d.max().item()
+        excess[name] = (d - RTOL * w.abs()).max().item()
+    return abs_diff, excess
+
+
+def _run_training(sc, rank):
+    """Builds the engine and both oracles, runs the schedule; returns the comparison record."""
+    import copy
+
+    import deepspeed
+    import torch
+    import zero_lifetime
+    from harness import MODELS, ds_config, full_weights, released_state
+
+    torch.manual_seed(0)
+    model = MODELS[sc["model"]]()
+    ddp_model, ar_model = copy.deepcopy(model), copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = LR[sc["model"]]
+    cfg = ds_config(sc["stage"], sc["persistence"], lr=lr)
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, device_ids=None)
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    ar_opt = torch.optim.SGD(ar_model.parameters(), lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    if sc["install"]:
+        zero_lifetime.install(engine, policy=sc["policy"])
+
+    for step, backwards in enumerate(sc["schedule"]):
+        _engine_step(engine, sc, step, backwards, rank)
+        _ddp_step(ddp, ddp_opt, sc, step, backwards, rank)
+        _allreduce_step(ar_model, ar_opt, sc, step, backwards, rank)
+
+    record = {}
+    gc.collect()  # the step helpers' graphs are gone; nothing may hold a handle now
+    record["stats"] = zero_lifetime.stats(engine)
+    if sc["stage"] == 3:
+        gathered, inconsistent = released_state(engine)
+        record["gathered_non_persistent"] = gathered
+        record["non_empty_released"] = inconsistent
+        record["n_non_persistent"] = sum(not getattr(p, "ds_persist", False) for p in engine.module.parameters())
+    want = {n: p.detach() for n, p in ddp_model.named_parameters()}
+    record["abs_diff"], record["tol_excess"] = _compare(full_weights(engine), want)
+    record["oracle_abs_diff"], record["oracle_tol_excess"] = _compare(
+        [p.detach() for p in ar_model.parameters()], want)
+    moved = max((want[n] - initial[n]).abs().max().item() for n in want)
+    record["moved"] = moved if moved == moved else float("inf")  # NaN: fails the movement bound
+    del engine, ddp
+    return record
+
+
+def _run_stock(sc, rank):
+    """Negative control: stock ZeRO-3 (no install); the first backward retains the graph."""
+    import deepspeed
+    import torch
+    from harness import MODELS, ds_config, losses
+
+    torch.manual_seed(0)
+    model = MODELS[sc["model"]]()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, sc["persistence"], lr=LR[sc["model"]]),
+                                      model_parameters=model.parameters())
+    l1, l2 = losses(engine(_shard(sc["model"], 0, rank)))
+    engine.backward(l1, retain_graph=True)  # works on stock: an error here fails the scenario
+    if sc["zero_grad"]:
+        engine.zero_grad()
+    record = {"raised": None}
+    try:
+        engine.backward(l2)
+    except RuntimeError as exc:
+        record["raised"] = f"{type(exc).__name__}: {exc}"
+    del engine, l1, l2
+    return record
+
+
+def _run_scenario(sc, rank):
+    if sc["kind"] == "stock":
+        return _run_stock(sc, rank)
+    return _run_training(sc, rank)
+
+
+def main(rank, out_dir, port, only=None):
+    """torch.multiprocessing entry point: rank runs every scenario (or those named in only)."""
+    _set_env(rank, port)
+    _quiet(os.path.join(out_dir, f"rank{rank}.log"))
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    import deepspeed
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False,
+                               timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    # A separate gloo group for the status exchange: never paired with DeepSpeed's collectives.
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+    results_path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    with open(results_path, "w") as results:
+        for sc in SCENARIOS:
+            if only is not None and sc["id"] not in only:
+                continue
+            started = time.perf_counter()
+            try:
+                record = _run_scenario(sc, rank)
+                record["error"] = None
+            except BaseException:  # noqa: BLE001 - every failure is a result for the parent
+                record = {"error": traceback.format_exc(limit=-8)}
+            gc.collect()
+            record.update(id=sc["id"], rank=rank, seconds=round(time.perf_counter() - started, 3))
+            results.write(json.dumps(record) + "\n")
+            results.flush()
+            statuses = [None] * WORLD
+            dist.all_gather_object(statuses, record["error"] is None, group=control)
+            if any(statuses) and not all(statuses):
+                # Only some ranks failed: DeepSpeed's collectives may be out of step now.
+                # Stop; the parent reports every later scenario as not run. (All ranks
+                # failing alike, a deterministic error, leaves them in step: go on.)
+                break
+    dist.barrier(group=control)
+    dist.destroy_process_group()
