@@ -12,23 +12,16 @@ two-backward step under each policy.
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                   ("LOCAL_SIZE", "1")):
-    os.environ.setdefault(key, value)
-if "MASTER_PORT" not in os.environ:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from zero_lifetime.single_rank import single_rank_env  # noqa: E402
+
+single_rank_env()
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import deepspeed  # noqa: E402
 import zero_lifetime  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402

@@ -9,11 +9,11 @@ measured and the tests below assert on it, one named test per scenario.
 
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch.multiprocessing as mp
+from zero_lifetime.single_rank import free_port
 
 import two_rank_worker as worker
 
@@ -29,12 +29,6 @@ STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock"]
 
 def _ids(scenarios):
     return [sc["id"] for sc in scenarios]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Results:
@@ -71,7 +65,7 @@ class Results:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("two_ranks"))
-    ctx = mp.start_processes(worker.main, args=(out_dir, _free_port()), nprocs=worker.WORLD, join=False,
+    ctx = mp.start_processes(worker.main, args=(out_dir, int(free_port())), nprocs=worker.WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     failure = None

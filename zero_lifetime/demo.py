@@ -9,23 +9,12 @@ passes and its weights equal plain torch's. Prints stats() along the way.
 
 import copy
 import logging
-import os
-import socket
 
-
-def _single_rank_env():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("LOCAL_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+from .single_rank import single_rank_env
 
 
 def main() -> int:
-    _single_rank_env()
+    single_rank_env()
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
