@@ -137,3 +137,38 @@ def test_gradient_penalty(stage):
     if stage == 3:
         gc.collect()
         assert released_state(engine) == ([], [])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("retained_last", [False, True], ids=["plain", "retained_last_micro_step"])
+def test_gradient_accumulation_unchanged(stage, retained_last):
+    """GAS=2: ordinary accumulation must still sum micro-steps, and a retained
+    two-loss backward in the boundary micro-step adds both losses on top."""
+    import copy
+    import deepspeed
+    from harness import MODELS, ds_config
+
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    reference = copy.deepcopy(model)
+    cfg = ds_config(stage)
+    cfg["gradient_accumulation_steps"] = 2
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    zero_lifetime.install(engine)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg["optimizer"]["params"]["lr"])
+    for step in range(2):
+        for micro in range(2):
+            x = make_input("mlp_norm", 10 * step + micro)
+            l1, l2 = losses(engine(x))
+            r1, r2 = losses(reference(x))
+            if retained_last and micro == 1:
+                engine.backward(l1, retain_graph=True)
+                engine.backward(l2)
+                ((r1 + r2) / 2).backward()
+            else:
+                engine.backward(l1)
+                (r1 / 2).backward()  # DeepSpeed scales each micro-step's loss by 1/GAS
+            engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
