@@ -8,13 +8,9 @@ handle dies. A pre-AccumulateGrad hook gathers a param before its gradient lands
 so a second backward never accumulates into an empty (numel 0) param.
 """
 
-import logging
-
 import torch
 
 from .adapters.zero3_params import Zero3Params
-
-logger = logging.getLogger("zero_lifetime")
 
 
 class Zero3Lifetime:
@@ -38,7 +34,7 @@ class Zero3Lifetime:
             tracker.register_param(param)
             if param.requires_grad:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._after_accumulate))
-        for module in engine.module.modules():
+        for module in self._modules:
             self._hook_handles.append(module.register_forward_pre_hook(self._note_gathered, prepend=False))
 
     # ---- forward ----------------------------------------------------------------
@@ -103,10 +99,7 @@ class Zero3Lifetime:
         if self._busy:
             self._deferred.append(param)
         else:
-            self._release_unpinned(param)
-
-    def _release_unpinned(self, param) -> None:
-        self.zparams.release(param)
+            self.zparams.release(param)
 
     def drain_deferred_if_idle(self) -> None:
         if not self._busy:
@@ -116,7 +109,7 @@ class Zero3Lifetime:
         deferred, self._deferred = self._deferred, []
         for param in deferred:
             if not self.tracker.is_pinned(param):
-                self._release_unpinned(param)
+                self.zparams.release(param)
 
     # ---- recovery and teardown -------------------------------------------------------
 
@@ -131,12 +124,7 @@ class Zero3Lifetime:
 
     def release_backward_leftovers(self) -> None:
         """Release params that modules of an interrupted backward still hold."""
-        coordinator = self.zparams.coordinator()
-        coordinator.release_backward_leftovers()
-        for param in self.params.values():
-            param.ds_active_sub_modules.clear()
-            if not param.ds_persist:
-                self.zparams.release(param)
+        self.zparams.release_backward_leftovers(self.params.values())
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:

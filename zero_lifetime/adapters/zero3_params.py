@@ -30,6 +30,7 @@ class Zero3Params:
         coordinator = self.coordinator()
         require(type(coordinator), _RELEASE, "the coordinator's single-param release")
         require(coordinator, _INFLIGHT, "the coordinator's in-flight param registry")
+        require(coordinator, "release_backward_leftovers", "the coordinator's backward clean-up")
         for attr in ("ds_id", "ds_status", "ds_tensor", "ds_active_sub_modules", "ds_numel", "all_gather"):
             sample = next(iter(engine.module.parameters()))
             require(sample, attr, "a ZeRO-3 parameter attribute")
@@ -65,6 +66,13 @@ class Zero3Params:
             return False
         param.partition()
         return True
+
+    def release_backward_leftovers(self, params) -> None:
+        """After an interrupted backward: modules whose post-backward never ran still hold params."""
+        require(self.coordinator(), "release_backward_leftovers", "the coordinator's backward clean-up")()
+        for param in params:
+            param.ds_active_sub_modules.clear()
+            self.release(param)
 
     @staticmethod
     def module_counters(modules):
