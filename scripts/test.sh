@@ -4,7 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export DS_ACCELERATOR=cpu
-cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build/native
-ctest --test-dir build/native --output-on-failure
+# The C++ core's native tests: plain, under AddressSanitizer+UBSan, and under
+# ThreadSanitizer (its multi-threaded refcount stress test is the point of that one).
+for variant in native:"" asan:"address,undefined" tsan:"thread"; do
+  dir=build/${variant%%:*}
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DZL_SANITIZE="${variant#*:}" >/dev/null
+  cmake --build "$dir"
+  ctest --test-dir "$dir" --output-on-failure
+done
 python3 -m pytest tests -q -p no:cacheprovider "$@"
