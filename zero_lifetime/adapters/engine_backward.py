@@ -19,23 +19,19 @@ class EngineBackward:
         self.engine = engine
         self.optimizer = engine.optimizer
         require(engine, "_backward_prologue", "the engine backward prologue")
-        require(engine, "_running_engine_backward", "the engine-backward flag")
         state = require(self.optimizer, "_backward_hook_state", "the ZeRO backward hook state")
         for name in ("backward_active_depth", "backward_seen_this_step", "post_backward_callback_queued"):
             require(state, name, "a ZeRO backward hook state field")
         require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
         from deepspeed.runtime.utils import OutputBackwardHookManager
-        require(OutputBackwardHookManager, "preprocess_done", "the output-hook once flag") \
-            if hasattr(OutputBackwardHookManager, "preprocess_done") else None
+        # An instance attribute: probe a fresh manager (construction has no side effects).
+        require(OutputBackwardHookManager(lambda: None), "preprocess_done", "the output-hook once flag")
         if not hasattr(torch._C, "_current_graph_task_id"):
             raise RuntimeError("zero_lifetime needs torch._C._current_graph_task_id (torch >= 2.1)")
 
     @property
     def _state(self):
         return self.optimizer._backward_hook_state
-
-    def in_engine_backward(self) -> bool:
-        return bool(self.engine._running_engine_backward)
 
     def backward_finished_since_forward(self) -> bool:
         """A previous backward over the current forward ran to its end."""

@@ -31,15 +31,12 @@ class Zero3Params:
         require(type(coordinator), _RELEASE, "the coordinator's single-param release")
         require(coordinator, _INFLIGHT, "the coordinator's in-flight param registry")
         require(coordinator, "release_backward_leftovers", "the coordinator's backward clean-up")
+        sample = next(iter(engine.module.parameters()))
         for attr in ("ds_id", "ds_status", "ds_tensor", "ds_active_sub_modules", "ds_numel", "all_gather"):
-            sample = next(iter(engine.module.parameters()))
             require(sample, attr, "a ZeRO-3 parameter attribute")
 
     def coordinator(self):
         return require(self._offload, "get_param_coordinator", "the param coordinator accessor")()
-
-    def is_available(self, param) -> bool:
-        return param.ds_status == self.AVAILABLE
 
     def gather(self, param) -> None:
         """Make ``param`` gathered now (a collective: every rank calls it in the same order)."""
