@@ -24,14 +24,8 @@ namespace {
 void translate_c10_errors(std::exception_ptr error) {
   try {
     if (error) std::rethrow_exception(error);
-  } catch (const c10::ValueError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
-  } catch (const c10::IndexError& e) {
-    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
   } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    zero_lifetime::set_python_error(e);
   }
 }
 

@@ -244,6 +244,18 @@ const Tracker::ParamEntry* Tracker::resolve_by_address(const at::Tensor& t, int6
   return &entry->second;
 }
 
+void set_python_error(const c10::Error& error) {
+  PyObject* type = PyExc_RuntimeError;
+  if (dynamic_cast<const c10::ValueError*>(&error)) {
+    type = PyExc_ValueError;
+  } else if (dynamic_cast<const c10::TypeError*>(&error)) {
+    type = PyExc_TypeError;
+  } else if (dynamic_cast<const c10::IndexError*>(&error)) {
+    type = PyExc_IndexError;
+  }
+  PyErr_SetString(type, error.what_without_backtrace());
+}
+
 namespace {
 // Runs `body` for a CPython entry point: C++ exceptions become the matching Python error.
 template <typename Body>
@@ -252,12 +264,8 @@ PyObject* translate_exceptions(Body&& body) {
     return body();
   } catch (py::error_already_set& e) {
     e.restore();
-  } catch (const c10::ValueError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
   } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    set_python_error(e);
   } catch (const std::invalid_argument& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
   } catch (const std::exception& e) {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <string>
@@ -18,6 +19,10 @@
 namespace zero_lifetime {
 
 namespace py = pybind11;
+
+// Set the Python error matching a torch error (ValueError, TypeError, IndexError, else
+// RuntimeError), without the C++ backtrace. Shared by both binding paths.
+void set_python_error(const c10::Error& error);
 
 // Type object of the handles pack() returns; a plain CPython type (not pybind11) so that
 // creating one and recognising one in unpack() costs next to nothing on the hot path.
