@@ -80,14 +80,14 @@ def losses(out):
     return out.pow(2).mean(), (out * torch.linspace(-1, 1, out.shape[-1])).sum()
 
 
-def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, **zero):
+def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, gas: int = 1, **zero):
     zero_cfg = {"stage": stage}
     if stage == 3:
         zero_cfg["stage3_param_persistence_threshold"] = persistence
     zero_cfg.update(zero)
     return {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "SGD", "params": {"lr": lr}},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the oracle is plain SGD
@@ -95,12 +95,12 @@ def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, **zero):
     }
 
 
-def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, **zero):
+def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, gas: int = 1, **zero):
     """A DeepSpeed engine and an identical plain-torch model with its SGD optimizer."""
     torch.manual_seed(seed)
     model = MODELS[model_name]()
     reference = copy.deepcopy(model)
-    cfg = ds_config(stage, persistence, **zero)
+    cfg = ds_config(stage, persistence, gas=gas, **zero)
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg["optimizer"]["params"]["lr"])
     return engine, reference, ref_opt

@@ -144,18 +144,8 @@ def test_gradient_penalty(stage):
 def test_gradient_accumulation_unchanged(stage, retained_last):
     """GAS=2: ordinary accumulation must still sum micro-steps, and a retained
     two-loss backward in the boundary micro-step adds both losses on top."""
-    import copy
-    import deepspeed
-    from harness import MODELS, ds_config
-
-    torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
-    reference = copy.deepcopy(model)
-    cfg = ds_config(stage)
-    cfg["gradient_accumulation_steps"] = 2
-    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
     zero_lifetime.install(engine)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg["optimizer"]["params"]["lr"])
     for step in range(2):
         for micro in range(2):
             x = make_input("mlp_norm", 10 * step + micro)
