@@ -1,0 +1,91 @@
+"""Fused copies for ZeRO's hot paths, one call for a whole list of tensors:
+
+* :func:`bucket_fill` - gradients (any mix of fp32/bf16/fp16, scaled, cast) into a flat
+  reduction bucket, instead of one ``narrow().copy_()`` per parameter;
+* :func:`gather_copy_out` - an all-gathered rank-major flat buffer back into whole
+  parameters, instead of one ``torch.cat`` per parameter.
+
+Both are ``torch.ops.zero_lifetime`` operators from the compiled extension (CPU, CUDA
+when built with CUDA, Meta). Without it (no compiler, or ``ZERO_LIFETIME_FORCE_PYTHON=1``),
+or on a device it has no kernel for, the pure-torch :mod:`zero_lifetime.ops_reference`
+runs instead, after one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+
+from . import _native, ops_reference
+
+_OP_NAMES = ("bucket_fill", "gather_copy_out")
+# device type -> (bucket_fill, gather_copy_out); filled on first use per device type, so
+# the hot path is a dict lookup and a direct call of the op handle.
+_impls: Dict[str, Tuple[Callable, Callable]] = {}
+_REFERENCE = (ops_reference.bucket_fill, ops_reference.gather_copy_out)
+_warned = False
+
+
+def native_available() -> bool:
+    """Whether the compiled ops are loaded (never true under ZERO_LIFETIME_FORCE_PYTHON=1)."""
+    return not _native.force_python() and _native.load() is not None
+
+
+def _warn_fallback(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"zero_lifetime: fused copy ops unavailable, using the slower pure-torch "
+                      f"reference. Reason: {reason}", RuntimeWarning, stacklevel=4)
+
+
+def _has_kernel(name: str, dispatch_key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"zero_lifetime::{name}",
+                                                              dispatch_key)
+    except RuntimeError:  # operator not registered at all: a build without csrc/ops
+        return False
+
+
+def _resolve(device_type: str) -> Tuple[Callable, Callable]:
+    if _native.force_python():
+        return _REFERENCE  # not cached: the variable is read at every resolution
+    if _native.load() is None:
+        _warn_fallback(str(_native.status()["error"]))
+        impls = _REFERENCE
+    else:
+        key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type, device_type)
+        missing = [name for name in _OP_NAMES if not _has_kernel(name, key)]
+        if missing:
+            _warn_fallback(f"the compiled extension has no {key} kernel for {missing}")
+            impls = _REFERENCE
+        else:
+            impls = tuple(getattr(torch.ops.zero_lifetime, name).default for name in _OP_NAMES)
+    _impls[device_type] = impls
+    return impls
+
+
+def bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
+                offsets: Sequence[int], scale: float = 1.0) -> None:
+    """buffer[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten() * scale,
+    cast to buffer.dtype, for every i, in one fused call.
+
+    ``buffer``: 1-D contiguous fp32/bf16/fp16. ``tensors``: fp32/bf16/fp16 (mixed allowed,
+    any layout) on the buffer's device; destination ranges must not overlap, and a tensor
+    may alias the buffer only as exactly its own destination slice (then it is scaled in
+    place). Offsets are element offsets (64-bit)."""
+    impls = _impls.get(buffer.device.type) or _resolve(buffer.device.type)
+    impls[0](buffer, list(tensors), list(offsets), float(scale))
+
+
+def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Sequence[int],
+                    numels: Sequence[int], world_size: int) -> None:
+    """Unshard a rank-major all-gathered flat buffer (``world_size`` segments of
+    ``sum(shard_numels)`` elements) into ``out``, whole parameters back to back: parameter i
+    is the concatenation over ranks of its shards, truncated to ``numels[i]`` (the padding
+    dropped), cast to ``out.dtype``. What DeepSpeed's ``AllGatherCoalescedHandle.wait`` does
+    with one ``torch.cat`` per parameter."""
+    impls = _impls.get(gathered.device.type) or _resolve(gathered.device.type)
+    impls[1](gathered, out, list(shard_numels), list(numels), int(world_size))
