@@ -57,6 +57,8 @@ class Installation:
             self.tracker = None
             self.accumulation = Zero12Accumulation(engine.optimizer)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
+        from .micro_step_window import MicroStepWindow
+        self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
         self._latest_forward = _ForwardOutputs()
         self._entered_via_outputs = False
         self._entry_managers = []  # DeepSpeed output hook managers of the backward being opened
@@ -92,6 +94,8 @@ class Installation:
             self.lifetime.release_everything_held()
             self.lifetime.remove_hooks()
             self.tracker.unregister_all()
+        # Reverse order of wrapping: the window wraps the epilogue on top of accumulation.
+        self.window.restore()
         if self.accumulation is not None:
             self.accumulation.restore()
 
@@ -189,6 +193,7 @@ class Installation:
 
         def before_accumulate(grad):
             self.enter_from_inner_hook()
+            self.window.note_gradient(param)
             if self.lifetime is not None:
                 self.lifetime.before_accumulate(param)
             return None
@@ -229,6 +234,7 @@ class Installation:
                 self.backward.start_new_micro_step()
                 if self.lifetime is not None:
                     self.lifetime.rearm_for_another_backward()
+            self.window.begin_backward()
             if self.accumulation is not None:
                 self.accumulation.begin_backward()
             if self._entered_via_outputs:

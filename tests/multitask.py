@@ -1,0 +1,116 @@
+"""The multi-task loop of the gradient-bucket report, and its plain-torch oracle.
+
+A shared trunk and one head per task. "per_task": one backward per task, GAS = number
+of tasks, so the heads of tasks 0 and 1 get gradients only in their own non-boundary
+micro-step. "summed": one backward of the summed task losses, GAS 1. Used by the
+1-rank tests and by the 2-rank worker (each rank trains on its own data shard; the
+oracle all-reduces plain torch gradients).
+"""
+
+import copy
+
+import torch
+
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param
+
+TASKS = 3
+LR = 0.1
+
+
+class MultiTask(torch.nn.Module):
+
+    def __init__(self, tasks: int = TASKS):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 16)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 4) for _ in range(tasks))
+
+    def forward(self, x, task: int):
+        return self.heads[task](torch.tanh(self.trunk(x)))
+
+
+def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 50):
+    zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
+            "reduce_bucket_size": bucket}  # tiny buckets: several flushes per backward
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": TASKS if mode == "per_task" else 1,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def batches(step: int, rank: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + 17 * rank + 1)
+    return [torch.randn(4, 8, generator=g) for _ in range(TASKS)]
+
+
+def task_loss(out):
+    return out.float().pow(2).mean()
+
+
+def make_models(seed: int = 0):
+    torch.manual_seed(seed)
+    model = MultiTask()
+    return model, copy.deepcopy(model)
+
+
+def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp32"):
+    cast = (lambda x: x.to(torch.bfloat16)) if dtype == "bf16" else (lambda x: x)
+    for step in range(steps):
+        xs = batches(step, rank)
+        if mode == "per_task":
+            for task in range(TASKS):
+                engine.backward(task_loss(engine(cast(xs[task]), task)))
+                engine.step()
+        else:
+            engine.backward(sum(task_loss(engine(cast(xs[t]), t)) for t in range(TASKS)))
+            engine.step()
+
+
+def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1):
+    """Plain torch SGD; with world > 1 the gradients are all-reduced (averaged) per step."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        xs = batches(step, rank)
+        if mode == "per_task":
+            for task in range(TASKS):  # DeepSpeed scales each micro-step's loss by 1/GAS
+                (task_loss(model(xs[task], task)) / TASKS).backward()
+        else:
+            sum(task_loss(model(xs[t], t)) for t in range(TASKS)).backward()
+        if world > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
+        opt.step()
+        opt.zero_grad()
+
+
+def build_engine(model, stage: int, mode: str, offload: bool, dtype: str):
+    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype),
+                                      model_parameters=model.parameters())
+    return engine
+
+
+def engine_weights(engine):
+    return {name: safe_get_full_fp32_param(p).detach().float().clone()
+            for name, p in engine.module.named_parameters()}
+
+
+def max_differences(engine, reference):
+    got = engine_weights(engine)
+    return {name: (got[name] - p.detach()).abs().max().item() for name, p in reference.named_parameters()}
+
+
+def tolerance(dtype: str) -> float:
+    return 2e-2 if dtype == "bf16" else 1e-5

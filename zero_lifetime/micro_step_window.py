@@ -1,0 +1,60 @@
+"""No gradient lost across the micro-steps of one gradient-accumulation window.
+
+Multi-task training (one backward per task, each task with its own head, GAS = the
+number of tasks) is where DeepSpeed 0.19.8 goes wrong: a head that gets a gradient only
+in its own micro-step either adds to the previous window's stale gradient (ZeRO-3, and
+ZeRO-1/2 with CPU offload) or, with CPU offload, never reaches the optimizer. This
+tracks which params got a gradient in the window and in the running backward, clears
+stale accumulators on a param's first gradient of the window, and at the boundary runs
+DeepSpeed's own offload copy for the params the boundary backward did not touch.
+"""
+
+from .adapters.grad_window import GradWindowAdapter
+
+
+class MicroStepWindow:
+
+    def __init__(self, optimizer, stage: int, params):
+        self.adapter = GradWindowAdapter(optimizer, stage)
+        self._optimizer = optimizer
+        self._params = list(params)
+        self._in_window = set()        # params with a gradient since the window began (by id)
+        self._this_backward = {}       # id -> param, for the running backward
+        self._first_backward = True
+        # Another wrapper (Zero12Accumulation) may already sit on the instance: keep it.
+        self._previous_instance_epilogue = optimizer.__dict__.get("independent_gradient_partition_epilogue")
+        self._original_epilogue = optimizer.independent_gradient_partition_epilogue
+        optimizer.independent_gradient_partition_epilogue = self._epilogue
+        self._undo_stage1_patch = self.adapter.patch_stage1_boundary(lambda p: id(p) in self._this_backward)
+
+    def begin_backward(self) -> None:
+        self._first_backward = self.adapter.first_backward_of_window()
+        if self._first_backward:
+            self._in_window.clear()
+        self._this_backward = {}
+
+    def note_gradient(self, param) -> None:
+        """A gradient for ``param`` is about to be accumulated (before DeepSpeed's hook)."""
+        key = id(param)
+        if key in self._this_backward:
+            return
+        self._this_backward[key] = param
+        if key not in self._in_window:
+            self._in_window.add(key)
+            if not self._first_backward:
+                self.adapter.clear_stale_accumulator(param)
+
+    def _epilogue(self, *args, **kwargs):
+        result = self._original_epilogue(*args, **kwargs)
+        if self.adapter.offload and self.adapter.at_boundary():
+            missed = [p for p in self._params if id(p) in self._in_window and id(p) not in self._this_backward]
+            self.adapter.finalize_offloaded(missed)
+        return result
+
+    def restore(self) -> None:
+        if self._undo_stage1_patch is not None:
+            self._undo_stage1_patch()
+        if self._previous_instance_epilogue is None:
+            self._optimizer.__dict__.pop("independent_gradient_partition_epilogue", None)
+        else:
+            self._optimizer.independent_gradient_partition_epilogue = self._previous_instance_epilogue
