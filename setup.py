@@ -32,14 +32,21 @@ native = _load_native()
 ext_modules = []
 cmdclass = {}
 if os.environ.get("ZERO_LIFETIME_BUILD_EXT", "1") != "0":
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
+    # With a CUDA torch and toolkit the .cu kernels join the same module (CUDAExtension
+    # adds nvcc and cudart); otherwise the module has CPU and Meta kernels only.
+    with_cuda = native.cuda_build_enabled()
+    sources = native.SOURCES + (native.CUDA_SOURCES if with_cuda else [])
+    compile_args = {"cxx": native.extra_cflags + [native.build_hash_define()]}
+    if with_cuda:
+        compile_args["nvcc"] = native.extra_cuda_cflags + [native.build_hash_define()]
     ext_modules.append(
-        CppExtension(
+        (CUDAExtension if with_cuda else CppExtension)(
             name="zero_lifetime._C",
-            sources=[f"csrc/{source}" for source in native.SOURCES],
+            sources=[f"csrc/{source}" for source in sources],
             include_dirs=native.include_dirs(),
-            extra_compile_args={"cxx": native.extra_cflags + [native.build_hash_define()]},
+            extra_compile_args=compile_args,
         ))
     cmdclass["build_ext"] = BuildExtension
 

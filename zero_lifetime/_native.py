@@ -1,7 +1,8 @@
 """Build and load the compiled core ``zero_lifetime._C`` (DeepSpeed op_builder style).
 
-Single source of truth for the native build: the source list (``csrc/sources.txt``),
-compiler flags and include dirs below are used by setup.py (which loads this file by
+Single source of truth for the native build: the source lists (``csrc/sources.txt``, and
+``csrc/sources_cuda.txt`` when torch is a CUDA build and the toolkit is found), compiler
+flags and include dirs below are used by setup.py (which loads this file by
 path, without importing the package), by the JIT build and, through sources.txt, by
 CMakeLists.txt.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -52,24 +54,48 @@ def _find_csrc() -> Optional[Path]:
 CSRC_DIR: Optional[Path] = _find_csrc()
 
 
-def _read_sources(csrc: Optional[Path]) -> List[str]:
+def _read_sources(csrc: Optional[Path], listing: str = "sources.txt") -> List[str]:
     if csrc is None:
         return []
     try:
-        lines = (csrc / "sources.txt").read_text().splitlines()
+        lines = (csrc / listing).read_text().splitlines()
     except OSError:  # importing must never fail; load() reports the missing sources
         return []
     return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
 SOURCES: List[str] = _read_sources(CSRC_DIR)  # relative to CSRC_DIR
+# CUDA kernels (csrc/sources_cuda.txt), added only when cuda_build_enabled().
+CUDA_SOURCES: List[str] = _read_sources(CSRC_DIR, "sources_cuda.txt")
 # Files of csrc/ that matter to the build: hashed below and shipped by setup.py.
-SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".txt")
+SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh", ".txt")
+# nvcc flags of the CUDA sources (torch adds the -std and its own defines).
+extra_cuda_cflags: List[str] = ["-O3"]
+
+
+def cuda_build_enabled() -> bool:
+    """Whether the CUDA kernels are compiled in: torch is a CUDA build and the CUDA
+    toolkit (CUDA_HOME, nvcc) is found. A CPU build simply lacks the CUDA kernels."""
+    if not CUDA_SOURCES or os.environ.get("ZERO_LIFETIME_BUILD_CUDA", "1") == "0":
+        return False
+    try:
+        import torch
+
+        if torch.version.cuda is None:
+            return False
+        from torch.utils import cpp_extension
+
+        return cpp_extension.CUDA_HOME is not None
+    except Exception:  # noqa: BLE001 - no torch: nothing to build against anyway
+        return False
 
 
 def source_paths() -> List[str]:
-    """Absolute paths of the extension sources."""
-    return [str(CSRC_DIR / s) for s in SOURCES] if CSRC_DIR else []
+    """Absolute paths of the extension sources (the .cu ones included when CUDA is built)."""
+    if CSRC_DIR is None:
+        return []
+    sources = SOURCES + (CUDA_SOURCES if cuda_build_enabled() else [])
+    return [str(CSRC_DIR / s) for s in sources]
 
 
 def include_dirs() -> List[str]:
@@ -101,6 +127,8 @@ def build_hash() -> str:
                 except OSError:
                     h.update(b"<unreadable>")
     h.update(" ".join(extra_cflags).encode())
+    if cuda_build_enabled():  # the same torch can give a build with or without kernels
+        h.update(("cuda " + " ".join(extra_cuda_cflags)).encode())
     h.update(_torch_version().encode())
     h.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
     return h.hexdigest()[:16]
@@ -137,7 +165,35 @@ def force_python() -> bool:
     return os.environ.get(FORCE_PYTHON_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _prebuilt_is_stale() -> Optional[str]:
+    """Why the prebuilt module must not even be imported, read from its file.
+
+    Importing runs its static operator registrations (TORCH_LIBRARY(zero_lifetime)); a
+    stale module imported only to read its hash would make the JIT rebuild's identical
+    registrations abort the process. Its build hash is a string in the binary."""
+    if CSRC_DIR is None:
+        return None
+    try:
+        spec = importlib.util.find_spec("zero_lifetime._C")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    try:
+        data = Path(spec.origin).read_bytes()
+    except OSError as e:
+        return f"prebuilt zero_lifetime._C unreadable: {e}"
+    if f"zlh_{build_hash()}".encode() not in data:
+        return (f"prebuilt zero_lifetime._C is stale (built from other sources, flags or "
+                f"torch than zlh_{build_hash()}); rebuilding with JIT")
+    return None
+
+
 def _load_prebuilt() -> Any:
+    stale = _prebuilt_is_stale()
+    if stale:
+        _status["notes"].append(stale)
+        return None
     try:
         import torch  # noqa: F401 - the extension needs torch's shared libraries loaded
 
@@ -186,6 +242,7 @@ def jit_load(verbose: bool = False) -> Any:
         name=EXTENSION_NAME,
         sources=source_paths(),
         extra_cflags=extra_cflags + [build_hash_define()],
+        extra_cuda_cflags=extra_cuda_cflags + [build_hash_define()],
         extra_include_paths=include_dirs(),
         build_directory=str(build_dir),
         verbose=verbose,
