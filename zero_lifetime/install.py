@@ -48,6 +48,7 @@ class Installation:
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
         self.lifetime = None
         self.accumulation = None
+        self.bucket_fill = None
         if self.stage == 3:
             from .zero3_lifetime import Zero3Lifetime
             self.tracker = make_tracker(policy, max_pinned_bytes)
@@ -56,6 +57,8 @@ class Installation:
             from .grad_accumulation import Zero12Accumulation
             self.tracker = None
             self.accumulation = Zero12Accumulation(engine.optimizer)
+            from .zero12_bucket_fill import Zero12BucketFill
+            self.bucket_fill = Zero12BucketFill(engine.optimizer)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         from .micro_step_window import MicroStepWindow
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
@@ -98,6 +101,8 @@ class Installation:
         self.window.restore()
         if self.accumulation is not None:
             self.accumulation.restore()
+        if self.bucket_fill is not None:
+            self.bucket_fill.restore()
 
     # ---- engine method wrappers ----------------------------------------------------------
 
@@ -261,6 +266,8 @@ class Installation:
         self._failed_backwards += 1
         self.backward.reset_after_failed_backward()
         self.backward.discard_interrupted_reduction()
+        if self.bucket_fill is not None:
+            self.bucket_fill.discard()
         if self.accumulation is not None:
             self.accumulation.grads_cleared()
         if self.lifetime is not None:

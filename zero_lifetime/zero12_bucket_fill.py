@@ -1,0 +1,119 @@
+"""ZeRO-1/2: fill each IPG bucket with one fused ``bucket_fill`` per flush.
+
+DeepSpeed copies every gradient into the bucket as its hook fires (one copy kernel per
+param). Here a hook only reserves the gradient's slice of the bucket; the copies are
+made in one ``ops.bucket_fill`` right before anything reads the bucket (its reduction,
+at overflow or at the end of backward), and then each gradient is re-pointed at its
+slice, as DeepSpeed does. The price: the reserved gradients stay alive until the
+flush, at most one bucket's worth.
+
+Cases DeepSpeed treats specially (non-contiguous gradients, ZenFlow, a gradient larger
+than the bucket) go through its own code unchanged.
+"""
+
+from . import ops
+from .adapters.zero12_buckets import Zero12Buckets
+
+
+class _Pending:
+    """Gradients waiting for the fill of one bucket buffer."""
+
+    __slots__ = ("grads", "offsets", "streams")
+
+    def __init__(self):
+        self.grads, self.offsets, self.streams = [], [], []
+
+
+class Zero12BucketFill:
+
+    def __init__(self, optimizer):
+        self.buckets = Zero12Buckets(optimizer)
+        self.optimizer = optimizer
+        self._original_add = optimizer.reduce_independent_p_g_buckets_and_remove_grads
+        self._original_reduce = optimizer.reduce_ipg_grads
+        self._pending = {}  # comm dtype -> _Pending
+        self.fills = 0  # fused fills run (for stats and tests)
+        self.fused_grads = 0
+        optimizer.reduce_independent_p_g_buckets_and_remove_grads = self._add
+        optimizer.reduce_ipg_grads = self._reduce
+
+    # ---- DeepSpeed entry points --------------------------------------------------------
+
+    def _add(self, param, i):
+        opt = self.optimizer
+        numel = param.numel()
+        if numel == 0 or not opt.contiguous_gradients or self.buckets.zenflow or numel > opt.reduce_bucket_size:
+            return self._original_add(param, i)
+        grad = opt.get_gradient_for_reduction(param)
+        comm_dtype = opt.get_param_comm_dtype(param)
+        bucket = opt.ipg_buckets[comm_dtype]
+        if bucket.elements + numel > opt.reduce_bucket_size:
+            opt.reduce_ipg_grads(comm_dtype=comm_dtype)  # flushes the pending fill first
+            if opt.overlap_comm:
+                bucket.index = 1 - bucket.index
+        if not getattr(param, "ds_grad_is_ready", True):
+            return None
+        self.buckets.fold_autoep(param, grad)
+        param_id = opt.get_param_id(param)
+        assert not opt.params_already_reduced[param_id], (
+            f"param {param_id} was already reduced: a gradient computed twice for this partition")
+        assert grad is not None, f"param {param_id}: no gradient to reduce"
+        pending = self._pending.get(comm_dtype)
+        if pending is None:
+            pending = self._pending[comm_dtype] = _Pending()
+        pending.grads.append(grad)
+        pending.offsets.append(bucket.elements)
+        if self.buckets.has_streams:
+            opt._record_gradient_stream(grad, self.buckets.current_stream())
+            pending.streams.append(self.buckets.current_stream())
+        opt._record_bucket_producer(bucket)
+        bucket.elements += numel
+        bucket.grads.append(grad)
+        bucket.params.append((i, param.param_idx_in_group, param_id))
+        if self.buckets.is_moe_param(param):  # average_tensor picks its process group
+            bucket.has_moe_params = True
+        return None
+
+    def _reduce(self, comm_dtype=None):
+        if comm_dtype is None:
+            for dtype in list(self._pending):
+                self._flush(dtype)
+        else:
+            self._flush(comm_dtype)
+        return self._original_reduce(comm_dtype=comm_dtype)
+
+    # ---- the fused fill ------------------------------------------------------------------
+
+    def _flush(self, comm_dtype) -> None:
+        pending = self._pending.pop(comm_dtype, None)
+        if pending is None or not pending.grads:
+            return
+        bucket = self.optimizer.ipg_buckets[comm_dtype]
+        buffer = bucket.buffer[bucket.index]
+        if self.buckets.has_streams:
+            # Read every gradient only after the stream that produced it; the fill itself
+            # runs on the current stream, which DeepSpeed's reduction then waits for.
+            current = self.buckets.current_stream()
+            for stream in set(pending.streams):
+                if stream != current:
+                    current.wait_stream(stream)
+            self.buckets.wait_before_reusing(bucket)
+            if self.optimizer.overlap_comm:
+                bucket.copy_streams.add(current)
+        else:
+            self.buckets.wait_before_reusing(bucket)
+        ops.bucket_fill(buffer, pending.grads, pending.offsets)
+        for grad, offset in zip(pending.grads, pending.offsets):
+            grad.data = buffer.narrow(0, offset, grad.numel()).view_as(grad)
+        self.fills += 1
+        self.fused_grads += len(pending.grads)
+
+    def discard(self) -> None:
+        """A backward died: its reserved slices are stale (the buckets are reset too)."""
+        self._pending.clear()
+
+    def restore(self) -> None:
+        for dtype in list(self._pending):
+            self._flush(dtype)
+        self.optimizer.__dict__.pop("reduce_independent_p_g_buckets_and_remove_grads", None)
+        self.optimizer.__dict__.pop("reduce_ipg_grads", None)
