@@ -29,9 +29,9 @@ class MultiTask(torch.nn.Module):
         return self.heads[task](torch.tanh(self.trunk(x)))
 
 
-def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 50):
+def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100):
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
-            "reduce_bucket_size": bucket}  # tiny buckets: several flushes per backward
+            "reduce_bucket_size": bucket}  # tiny: several flushes per backward, trunk.weight (128) bypasses
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     if offload:

@@ -74,6 +74,15 @@ def _build_scenarios():
         for policy in ("regather", "pin"):
             out.append(_scenario(f"alternating-stage3-{model}-{policy}", "steps", 3, "manual", False, policy, model,
                                  schedule=[2, 1, 2]))
+    # The multi-task loop of the gradient-bucket report: one backward per task (GAS =
+    # tasks) and one summed backward, with and without CPU optimizer offload.
+    for stage in (1, 2, 3):
+        for offload in (False, True):
+            for mode in ("per_task", "summed"):
+                sid = f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-{mode}-fp32"
+                out.append(dict(id=sid, kind="multitask", stage=stage, offload=offload, mode=mode, dtype="fp32"))
+        out.append(dict(id=f"multitask-stage{stage}-offload-per_task-bf16", kind="multitask", stage=stage,
+                        offload=True, mode="per_task", dtype="bf16"))
     # Last: a failing backward may leave DeepSpeed's global state odd.
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
     return out
@@ -247,7 +256,21 @@ def _run_stock(sc, rank):
     return record
 
 
+def _run_multitask(sc, rank):
+    import multitask as mt
+    import zero_lifetime
+
+    model, reference = mt.make_models()
+    engine = mt.build_engine(model, sc["stage"], sc["mode"], sc["offload"], sc["dtype"])
+    zero_lifetime.install(engine)
+    mt.train_engine(engine, sc["mode"], STEPS, rank=rank, dtype=sc["dtype"])
+    mt.train_reference(reference, sc["mode"], STEPS, rank=rank, world=WORLD)
+    return {"abs_diff": mt.max_differences(engine, reference), "tolerance": mt.tolerance(sc["dtype"])}
+
+
 def _run_scenario(sc, rank):
+    if sc["kind"] == "multitask":
+        return _run_multitask(sc, rank)
     if sc["kind"] == "stock":
         return _run_stock(sc, rank)
     return _run_training(sc, rank)
