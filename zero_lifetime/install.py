@@ -60,6 +60,9 @@ class Installation:
             from .zero12_bucket_fill import Zero12BucketFill
             self.bucket_fill = Zero12BucketFill(engine.optimizer)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
+        from .grad_hook_guard import GradHookGuard
+        self.grad_guard = GradHookGuard(engine, self.stage)
+        self._accumulating = False  # the running backward writes .grad (not autograd.grad)
         from .micro_step_window import MicroStepWindow
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
         self._latest_forward = _ForwardOutputs()
@@ -99,6 +102,7 @@ class Installation:
             self.tracker.unregister_all()
         # Reverse order of wrapping: the window wraps the epilogue on top of accumulation.
         self.window.restore()
+        self.grad_guard.restore()
         if self.accumulation is not None:
             self.accumulation.restore()
         if self.bucket_fill is not None:
@@ -198,7 +202,8 @@ class Installation:
 
         def before_accumulate(grad):
             self.enter_from_inner_hook()
-            self.window.note_gradient(param)
+            if self._accumulating:
+                self.window.note_gradient(param)
             if self.lifetime is not None:
                 self.lifetime.before_accumulate(param)
             return None
@@ -230,7 +235,8 @@ class Installation:
     def _on_backward_start(self) -> None:
         managers = self._entry_managers
         self._entry_managers = []
-        if not self._task_accumulates():
+        self._accumulating = self._task_accumulates()
+        if not self._accumulating:
             # torch.autograd.grad: nothing reaches .grad, so DeepSpeed's prologue and
             # epilogue must not run (its epilogue would reduce empty buckets).
             self.backward.suppress_output_hooks(managers)
@@ -240,6 +246,7 @@ class Installation:
                 if self.lifetime is not None:
                     self.lifetime.rearm_for_another_backward()
             self.window.begin_backward()
+            self.grad_guard.begin_backward()
             if self.accumulation is not None:
                 self.accumulation.begin_backward()
             if self._entered_via_outputs:
@@ -256,12 +263,18 @@ class Installation:
         if self.lifetime is not None:
             self.lifetime.end_of_backward()
             self.lifetime.end()
+        if self._accumulating:
+            self._accumulating = False
+            self.grad_guard.check_backward(self.window.params_this_backward())
 
     # ---- faults ----------------------------------------------------------------------------
 
     def recover_if_backward_died(self) -> None:
         """An exception inside a backward skips its end callback: clean up at the next call."""
+        # A dead backward reduced nothing on purpose: no gradient check when closing it.
+        accumulating, self._accumulating = self._accumulating, False
         if not self.scope.abandon():
+            self._accumulating = accumulating
             return
         self._failed_backwards += 1
         self.backward.reset_after_failed_backward()

@@ -44,6 +44,9 @@ class MicroStepWindow:
             if not self._first_backward:
                 self.adapter.clear_stale_accumulator(param)
 
+    def params_this_backward(self):
+        return list(self._this_backward.values())
+
     def _epilogue(self, *args, **kwargs):
         result = self._original_epilogue(*args, **kwargs)
         if self.adapter.offload and self.adapter.at_boundary():

@@ -1,0 +1,84 @@
+"""Gradients always reach DeepSpeed's buckets, or the backward says why they did not.
+
+* On DeepSpeed's torch < 2.1 hook path its hooks sit on ``AccumulateGrad`` nodes that
+  nobody keeps alive, so they never fire (DeepSpeed #7595: empty IPG buckets, then an
+  IndexError, or with the error guarded, training that silently does nothing). Install
+  makes DeepSpeed create its hooks again through a registration that keeps them alive.
+* A param that requires grad but is not in the ZeRO optimizer (frozen when
+  ``deepspeed.initialize`` ran, unfrozen later) would get gradients nobody reduces or
+  applies: an error at install, or at the end of the backward that produced one.
+* At the end of every backward: a param that got a gradient which no DeepSpeed hook
+  took is an error that names it, instead of an IndexError or a step that changes
+  nothing.
+"""
+
+import torch
+
+from .adapters.grad_hooks import GradHooks, deepspeed_hooks_are_dead
+
+# torch >= 2.1: a hook on the param itself, nothing to keep alive. Module level so a test
+# can force the AccumulateGrad-node path that torch < 2.1 needs.
+USE_POST_ACCUMULATE_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+_KEEP_ALIVE_ATTR = "_zero_lifetime_grad_accumulators"
+
+
+class GradientsNotReducedError(RuntimeError):
+    """A backward produced gradients that DeepSpeed's ZeRO optimizer never received."""
+
+
+def _unmanaged_message(names) -> str:
+    return (f"zero_lifetime: {len(names)} param(s) require grad but are not managed by the ZeRO optimizer, "
+            f"so their gradients would never be reduced or applied: {', '.join(names[:8])}"
+            f"{' ...' if len(names) > 8 else ''}. DeepSpeed leaves out params that are frozen "
+            f"(requires_grad=False) when deepspeed.initialize runs; unfreeze them before initialize "
+            f"(or keep them frozen).")
+
+
+class GradHookGuard:
+
+    def __init__(self, engine, stage: int):
+        self.hooks = GradHooks(engine.optimizer, stage)
+        self._names = {id(p): n for n, p in engine.module.named_parameters()}
+        self._module = engine.module
+        self._managed = {id(p) for p in self.hooks.managed_params()}
+        unmanaged = [self._names.get(id(p), "?") for p in engine.module.parameters()
+                     if p.requires_grad and id(p) not in self._managed]
+        if unmanaged:
+            raise ValueError(_unmanaged_message(unmanaged))
+        self.recreated_hooks = deepspeed_hooks_are_dead()
+        if self.recreated_hooks:
+            self.hooks.recreate(self._register_kept_alive)
+        self._taken = set()  # ids of params a DeepSpeed hook took a gradient of, this backward
+        self._undo_entry = self.hooks.wrap_entry(lambda param: self._taken.add(id(param)))
+
+    def _register_kept_alive(self, param, hook):
+        if USE_POST_ACCUMULATE_HOOK:
+            return param.register_post_accumulate_grad_hook(hook)
+        # DeepSpeed's own torch < 2.1 branch, plus the reference it dropped. Kept on the
+        # optimizer, so the hooks outlive uninstall() like the fix does.
+        node = param.expand_as(param).grad_fn.next_functions[0][0]
+        handle = node.register_hook(hook)
+        keep = self.hooks.optimizer.__dict__.setdefault(_KEEP_ALIVE_ATTR, [])
+        keep.append(node)
+        return handle
+
+    def begin_backward(self) -> None:
+        self._taken.clear()
+
+    def check_backward(self, got_gradient) -> None:
+        """``got_gradient``: the params whose .grad this backward accumulated into."""
+        unmanaged = [self._names.get(id(p), "?") for p in self._module.parameters()
+                     if p.grad is not None and id(p) not in self._managed]
+        if unmanaged:
+            raise GradientsNotReducedError(_unmanaged_message(unmanaged))
+        missed = [self._names.get(id(p), "?") for p in got_gradient if id(p) not in self._taken]
+        if missed:
+            raise GradientsNotReducedError(
+                f"zero_lifetime: this backward produced gradients for {len(missed)} param(s) that no "
+                f"DeepSpeed gradient hook received, so no reduction bucket holds them and the step "
+                f"would not apply them: {', '.join(missed[:8])}{' ...' if len(missed) > 8 else ''}. "
+                f"DeepSpeed's gradient hooks are not firing (were they removed, or registered on "
+                f"AccumulateGrad nodes that died, DeepSpeed #7595?).")
+
+    def restore(self) -> None:
+        self._undo_entry()
