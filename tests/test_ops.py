@@ -1,0 +1,358 @@
+"""The fused copy ops (zero_lifetime.ops: bucket_fill, gather_copy_out): compiled kernels
+(CPU, Meta, and CUDA when a GPU is present) and the pure-torch reference, against plain
+torch expressions built independently (torch.cat of scaled, flattened tensors; DeepSpeed's
+per-parameter torch.cat of shards).
+"""
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from zero_lifetime import ops, ops_reference
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SIZES = [0, 1, 7, 2**20 + 7]
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no GPU"))]
+
+
+def _native_ops(device):
+    if not ops.native_available():
+        pytest.skip("compiled extension unavailable")
+    key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}[device]
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("zero_lifetime::bucket_fill", key):
+        pytest.skip(f"extension built without {key} kernels")
+    return torch.ops.zero_lifetime.bucket_fill, torch.ops.zero_lifetime.gather_copy_out
+
+
+@pytest.fixture(params=["native", "reference"])
+def impl(request):
+    """(bucket_fill, gather_copy_out) of the compiled CPU ops or of the reference."""
+    if request.param == "native":
+        return _native_ops("cpu")
+    return ops_reference.bucket_fill, ops_reference.gather_copy_out
+
+
+def expected_bucket(tensors, offsets, numel, dtype, scale):
+    """Plain torch: zeros in the gaps, cat of the scaled flattened tensors in offset order."""
+    pieces, position = [], 0
+    for off, t in sorted(zip(offsets, tensors), key=lambda p: (p[0], p[1].numel())):
+        pieces.append(torch.zeros(off - position, dtype=dtype, device=t.device))
+        pieces.append((t.flatten().float() * scale).to(dtype))
+        position = off + t.numel()
+    pieces.append(torch.zeros(numel - position, dtype=dtype))
+    return torch.cat([p.to(pieces[0].device) for p in pieces])
+
+
+def layout(sizes, gap_max=5, seed=0):
+    """Offsets with random gaps, in a random order of the tensors; and the buffer size."""
+    rng = random.Random(seed)
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    offsets, position = [0] * len(sizes), 0
+    for i in order:
+        position += rng.randint(0, gap_max)
+        offsets[i] = position
+        position += sizes[i]
+    return offsets, position + rng.randint(0, gap_max)
+
+
+def assert_same(actual, expected):
+    assert actual.dtype == expected.dtype
+    assert torch.equal(actual.cpu(), expected.cpu()), (actual - expected).abs().max()
+
+
+# ------------------------------------------------------------------ bucket_fill values
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dst_dtype", DTYPES, ids=str)
+def test_bucket_fill_dtype_pairs_and_sizes(device, src_dtype, dst_dtype):
+    bucket_fill, _ = _native_ops(device)
+    torch.manual_seed(0)
+    tensors = [torch.randn(n, device=device).to(src_dtype) for n in SIZES]
+    offsets, numel = layout(SIZES)
+    for scale in (1.0, 0.37):
+        buffer = torch.zeros(numel, dtype=dst_dtype, device=device)
+        bucket_fill(buffer, tensors, offsets, scale)
+        assert_same(buffer, expected_bucket(tensors, offsets, numel, dst_dtype, scale))
+        reference = torch.zeros_like(buffer)
+        ops_reference.bucket_fill(reference, tensors, offsets, scale)
+        assert_same(buffer, reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dst_dtype", DTYPES, ids=str)
+def test_bucket_fill_mixed_source_dtypes_many_tensors(device, dst_dtype):
+    """3000 tensors of mixed dtypes and odd sizes: more than one launch's argument space."""
+    bucket_fill, _ = _native_ops(device)
+    rng = random.Random(1)
+    sizes = [rng.choice([0, 1, 3, 8, 17, 64, 1000, 4099]) for _ in range(3000)]
+    torch.manual_seed(1)
+    tensors = [torch.randn(n, device=device).to(DTYPES[i % 3]) for i, n in enumerate(sizes)]
+    offsets, numel = layout(sizes, gap_max=9, seed=2)
+    buffer = torch.full((numel,), 7.0, dtype=dst_dtype, device=device)
+    bucket_fill(buffer, tensors, offsets, 1.5)
+    # Gaps keep their old content: compare the written ranges and one gap element.
+    expected = expected_bucket(tensors, offsets, numel, dst_dtype, 1.5)
+    written = torch.zeros(numel, dtype=torch.bool)
+    for off, n in zip(offsets, sizes):
+        written[off:off + n] = True
+    assert_same(buffer.cpu()[written], expected.cpu()[written])
+    assert bool((buffer.cpu()[~written] == 7.0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bucket_fill_non_contiguous_sources(device):
+    bucket_fill, _ = _native_ops(device)
+    base = torch.randn(64, 48, device=device)
+    tensors = [base.t(), base[::3, 1:40], base[5].view(6, 8)[:, ::2],
+               torch.randn(1, device=device).expand(10), base.bfloat16().t()[3:9]]
+    offsets, numel = layout([t.numel() for t in tensors], seed=3)
+    buffer = torch.zeros(numel, device=device, dtype=torch.float16)
+    bucket_fill(buffer, tensors, offsets, 0.5)
+    assert_same(buffer, expected_bucket(tensors, offsets, numel, torch.float16, 0.5))
+
+
+def test_bucket_fill_same_dtype_scale_one_is_a_bit_copy(impl):
+    bucket_fill, _ = impl
+    bits = torch.tensor([0x7FC1, -1, 0x0001, -0x8000], dtype=torch.int16)  # NaN payloads, -0
+    src = bits.view(torch.bfloat16)
+    buffer = torch.zeros(6, dtype=torch.bfloat16)
+    bucket_fill(buffer, [src], [1])
+    assert torch.equal(buffer[1:5].view(torch.int16), bits)
+
+
+# ------------------------------------------------------------------ aliasing with the buffer
+def test_bucket_fill_source_is_its_own_slice(impl):
+    bucket_fill, _ = impl
+    buffer = torch.arange(20, dtype=torch.float32)
+    own = buffer[4:10].view(2, 3)  # as when DeepSpeed re-pointed the grad into the bucket
+    other = torch.ones(3)
+    bucket_fill(buffer, [own, other], [4, 12])
+    expected = torch.arange(20, dtype=torch.float32)
+    expected[12:15] = 1
+    assert_same(buffer, expected)
+    bucket_fill(buffer, [own, other], [4, 12], 2.0)  # in-place scale
+    expected[4:10] *= 2
+    expected[12:15] = 2
+    assert_same(buffer, expected)
+
+
+def test_bucket_fill_source_in_a_gap_of_the_buffer(impl):
+    bucket_fill, _ = impl
+    buffer = torch.arange(10, dtype=torch.float32)
+    bucket_fill(buffer, [buffer[0:2]], [6])  # read-only memory outside every destination
+    assert buffer[6:8].tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("source", [
+    lambda b: b[2:6],                        # another tensor's destination
+    lambda b: b[5:9],                        # its own destination, shifted
+    lambda b: b[4:12:2],                     # strided through its own destination
+    lambda b: b[3:7],                        # straddles both destinations
+    lambda b: b.view(torch.bfloat16)[8:12],  # same bytes, other dtype
+])
+def test_bucket_fill_rejects_aliasing_other_destinations(impl, source):
+    bucket_fill, _ = impl
+    buffer = torch.arange(16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="overlaps the destination range"):
+        bucket_fill(buffer, [torch.ones(2), source(buffer)], [2, 4])
+
+
+# ------------------------------------------------------------------ bucket_fill errors
+ERRORS = [
+    ("buffer must be a 1-D contiguous", lambda: (torch.zeros(4, 4), [torch.ones(2)], [0])),
+    ("buffer must be a 1-D contiguous", lambda: (torch.zeros(8)[::2], [torch.ones(2)], [0])),
+    ("is on meta but buffer is on cpu", lambda: (torch.zeros(8), [torch.ones(2, device="meta")], [0])),
+    ("unsupported dtype", lambda: (torch.zeros(8), [torch.ones(2, dtype=torch.float64)], [0])),
+    ("unsupported dtype", lambda: (torch.zeros(8, dtype=torch.int32), [torch.ones(2)], [0])),
+    ("got 2 tensors but 1 offsets", lambda: (torch.zeros(8), [torch.ones(2), torch.ones(2)], [0])),
+    (r"offsets\[0\] is negative \(-1\)", lambda: (torch.zeros(8), [torch.ones(2)], [-1])),
+    (r"offsets\[0\] is negative", lambda: (torch.zeros(8), [torch.ones(0)], [-3])),
+    (r"tensors\[1\] \(3 elements at offset 6\) is out of bounds of the buffer \(8 elements\)",
+     lambda: (torch.zeros(8), [torch.ones(2), torch.ones(3)], [0, 6])),
+    ("out of bounds", lambda: (torch.zeros(8), [torch.ones(1)], [2**62])),
+    (r"destination ranges overlap: tensors\[1\] \[0, 3\) and tensors\[0\] \[2, 4\)",
+     lambda: (torch.zeros(8), [torch.ones(2), torch.ones(3)], [2, 0])),
+]
+
+
+@pytest.mark.parametrize("match,make", ERRORS, ids=[m for m, _ in ERRORS])
+def test_bucket_fill_errors(impl, match, make):
+    bucket_fill, _ = impl
+    buffer, tensors, offsets = make()
+    before = buffer.clone()
+    with pytest.raises(RuntimeError, match=match):
+        bucket_fill(buffer, tensors, offsets)
+    assert torch.equal(buffer, before)  # checked before anything is written
+
+
+def test_bucket_fill_empty_ranges_may_touch():
+    bucket_fill, _ = _native_ops("cpu")
+    buffer = torch.zeros(4)
+    bucket_fill(buffer, [torch.ones(0), torch.ones(4), torch.ones(0)], [2, 0, 4])
+    assert buffer.tolist() == [1.0] * 4
+
+
+# ------------------------------------------------------------------ meta: 64-bit, no memory
+def test_meta_validates_64_bit_offsets_without_memory():
+    bucket_fill, gather_copy_out = _native_ops("meta")
+    buffer = torch.empty(2**33, device="meta", dtype=torch.bfloat16)
+    tensors = [torch.empty(2**31 + 1, device="meta"), torch.empty(5, device="meta")]
+    bucket_fill(buffer, tensors, [2**32, 2**33 - 5])
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        bucket_fill(buffer, tensors, [2**32, 2**33 - 4])
+    with pytest.raises(RuntimeError, match="destination ranges overlap"):
+        bucket_fill(buffer, tensors, [2**32, 2**32 + 2**31])
+    shard = 2**31 + 3
+    gathered = torch.empty(4 * shard, device="meta")
+    gather_copy_out(gathered, torch.empty(4 * shard - 9, device="meta"), [shard], [4 * shard - 9], 4)
+    with pytest.raises(RuntimeError, match="exceeds world_size"):
+        gather_copy_out(gathered, torch.empty(4 * shard + 1, device="meta"), [shard],
+                        [4 * shard + 1], 4)
+
+
+def test_public_api_on_meta_and_lists():
+    buffer = torch.empty(2**33, device="meta")
+    ops.bucket_fill(buffer, (torch.empty(3, device="meta"),), (2**33 - 3,), 2)
+
+
+# ------------------------------------------------------------------ gather_copy_out
+def deepspeed_unshard(gathered, shard_numels, numels, world_size, dtype):
+    """AllGatherCoalescedHandle.wait: one torch.cat of the ranks' shards per parameter."""
+    segment, offset, params = sum(shard_numels), 0, []
+    for shard, n in zip(shard_numels, numels):
+        pieces = [gathered.narrow(0, r * segment + offset, shard) for r in range(world_size)]
+        params.append(torch.cat(pieces)[:n].to(dtype))
+        offset += shard
+    return torch.cat(params) if params else torch.empty(0, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("src_dtype,dst_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32), (torch.float32, torch.bfloat16)], ids=str)
+def test_gather_copy_out(device, world_size, src_dtype, dst_dtype):
+    _, gather_copy_out = _native_ops(device)
+    rng = random.Random(world_size)
+    numels = [rng.choice([0, 1, 5, 64, 1001, 2**18 + 3]) for _ in range(40)]
+    shard_numels = [-(-n // world_size) + rng.choice([0, 0, 1]) for n in numels]  # padded
+    gathered = torch.randn(world_size * sum(shard_numels), device=device).to(src_dtype)
+    out = torch.full((sum(numels),), 3.0, device=device, dtype=dst_dtype)
+    gather_copy_out(gathered, out, shard_numels, numels, world_size)
+    expected = deepspeed_unshard(gathered, shard_numels, numels, world_size, dst_dtype)
+    assert_same(out, expected)
+    reference = torch.empty_like(out)
+    ops_reference.gather_copy_out(gathered, reference, shard_numels, numels, world_size)
+    assert_same(out, reference)
+
+
+def test_gather_copy_out_many_params():
+    _, gather_copy_out = _native_ops("cpu")
+    numels = [random.Random(i).randint(1, 300) for i in range(3000)]
+    shard_numels = [-(-n // 2) for n in numels]
+    gathered = torch.randn(2 * sum(shard_numels))
+    out = torch.empty(sum(numels))
+    gather_copy_out(gathered, out, shard_numels, numels, 2)
+    assert_same(out, deepspeed_unshard(gathered, shard_numels, numels, 2, torch.float32))
+
+
+GATHER_ERRORS = [
+    ("gathered must be a 1-D contiguous", lambda: (torch.zeros(2, 4), torch.zeros(8), [4], [8], 2)),
+    ("out must be a 1-D contiguous", lambda: (torch.zeros(8), torch.zeros(16)[::2], [4], [8], 2)),
+    ("unsupported dtype", lambda: (torch.zeros(8, dtype=torch.float64), torch.zeros(8), [4], [8], 2)),
+    ("out is on meta but gathered is on cpu",
+     lambda: (torch.zeros(8), torch.zeros(8, device="meta"), [4], [8], 2)),
+    ("world_size must be >= 1", lambda: (torch.zeros(0), torch.zeros(0), [], [], 0)),
+    ("got 2 shard_numels but 1 numels", lambda: (torch.zeros(8), torch.zeros(8), [2, 2], [8], 2)),
+    (r"numels\[0\] \(9\) exceeds world_size \* shard_numels\[0\] \(2 \* 4\)",
+     lambda: (torch.zeros(8), torch.zeros(9), [4], [9], 2)),
+    ("must be >= 0", lambda: (torch.zeros(8), torch.zeros(8), [-4], [8], 2)),
+    ("gathered has 7 elements, expected world_size", lambda: (torch.zeros(7), torch.zeros(8), [4], [8], 2)),
+    (r"out has 7 elements, expected sum\(numels\) = 8",
+     lambda: (torch.zeros(8), torch.zeros(7), [4], [8], 2)),
+]
+
+
+@pytest.mark.parametrize("match,make", GATHER_ERRORS, ids=[m for m, _ in GATHER_ERRORS])
+def test_gather_copy_out_errors(impl, match, make):
+    _, gather_copy_out = impl
+    with pytest.raises(RuntimeError, match=match):
+        gather_copy_out(*make())
+
+
+def test_gather_copy_out_rejects_out_overlapping_gathered(impl):
+    _, gather_copy_out = impl
+    storage = torch.zeros(16)
+    with pytest.raises(RuntimeError, match="out overlaps gathered"):
+        gather_copy_out(storage[:8], storage[4:12], [4], [8], 2)
+
+
+# ------------------------------------------------------------------ opcheck
+def _opcheck_cases(device):
+    buffer = torch.zeros(64, device=device)
+    tensors = [torch.randn(3, 4, device=device), torch.randn(5, device=device).bfloat16(),
+               torch.randn(6, 4, device=device).t()]
+    gathered = torch.randn(2 * 9, device=device).half()
+    return [
+        (torch.ops.zero_lifetime.bucket_fill.default, (buffer, tensors, [0, 20, 30], 0.5)),
+        (torch.ops.zero_lifetime.gather_copy_out.default,
+         (gathered, torch.empty(14, device=device), [4, 5], [6, 8], 2)),
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", *DEVICES[1:]])
+def test_opcheck(device):
+    _native_ops(device)
+    for op, args in _opcheck_cases(device):
+        opcheck(op, args)
+
+
+# ------------------------------------------------------------------ fallback
+def test_forced_python_fallback_gives_identical_results(tmp_path):
+    """ZERO_LIFETIME_FORCE_PYTHON=1 in a fresh process: the public API takes the reference
+    (with one warning) and writes exactly what the compiled ops write here."""
+    _native_ops("cpu")
+    code = """
+        import sys, warnings, torch
+        from zero_lifetime import ops
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(5)
+            tensors = [torch.randn(n).to(d) for n, d in
+                       [(1000, torch.float32), (33, torch.bfloat16), (2**16 + 1, torch.float16)]]
+            buffer = torch.zeros(2**16 + 2000, dtype=torch.bfloat16)
+            ops.bucket_fill(buffer, tensors, [2**16 + 900, 0, 40], 0.25)
+            gathered = torch.randn(3 * 700)
+            out = torch.empty(1500, dtype=torch.float16)
+            ops.gather_copy_out(gathered, out, [300, 400], [800, 700], 3)
+        assert not ops.native_available()
+        torch.save({"buffer": buffer, "out": out}, sys.argv[1])
+    """
+    env = dict(os.environ, ZERO_LIFETIME_FORCE_PYTHON="1",
+               PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = tmp_path / "result.pt"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    python_result = torch.load(path)
+
+    torch.manual_seed(5)
+    tensors = [torch.randn(n).to(d) for n, d in
+               [(1000, torch.float32), (33, torch.bfloat16), (2**16 + 1, torch.float16)]]
+    buffer = torch.zeros(2**16 + 2000, dtype=torch.bfloat16)
+    ops.bucket_fill(buffer, tensors, [2**16 + 900, 0, 40], 0.25)
+    gathered = torch.randn(3 * 700)
+    out = torch.empty(1500, dtype=torch.float16)
+    ops.gather_copy_out(gathered, out, [300, 400], [800, 700], 3)
+    assert_same(buffer, python_result["buffer"])
+    assert_same(out, python_result["out"])
