@@ -262,10 +262,12 @@ def _run_multitask(sc, rank):
 
     model, reference = mt.make_models()
     engine = mt.build_engine(model, sc["stage"], sc["mode"], sc["offload"], sc["dtype"])
-    zero_lifetime.install(engine)
+    fill = zero_lifetime.install(engine).bucket_fill
     mt.train_engine(engine, sc["mode"], STEPS, rank=rank, dtype=sc["dtype"])
     mt.train_reference(reference, sc["mode"], STEPS, rank=rank, world=WORLD)
-    return {"abs_diff": mt.max_differences(engine, reference), "tolerance": mt.tolerance(sc["dtype"])}
+    return {"abs_diff": mt.max_differences(engine, reference), "tolerance": mt.tolerance(sc["dtype"]),
+            "fused_grads": fill.fused_grads if fill else None, "fills": fill.fills if fill else None,
+            "prescaled_fills": fill.prescaled_fills if fill else None}
 
 
 def _run_scenario(sc, rank):

@@ -7,6 +7,10 @@ at overflow or at the end of backward), and then each gradient is re-pointed at 
 slice, as DeepSpeed does. The price: the reserved gradients stay alive until the
 flush, at most one bucket's worth.
 
+With reduce_scatter (DeepSpeed's default) DeepSpeed divides the whole bucket by the
+data-parallel world size before reducing it: one more pass over the bucket. The fill
+applies that factor while copying, and the reduction then skips its division.
+
 Cases DeepSpeed treats specially (non-contiguous gradients, ZenFlow, a gradient larger
 than the bucket) go through its own code unchanged.
 """
@@ -18,10 +22,11 @@ from .adapters.zero12_buckets import Zero12Buckets
 class _Pending:
     """Gradients waiting for the fill of one bucket buffer."""
 
-    __slots__ = ("grads", "offsets", "streams")
+    __slots__ = ("grads", "offsets", "streams", "numel")
 
     def __init__(self):
         self.grads, self.offsets, self.streams = [], [], []
+        self.numel = 0
 
 
 class Zero12BucketFill:
@@ -34,6 +39,7 @@ class Zero12BucketFill:
         self._pending = {}  # comm dtype -> _Pending
         self.fills = 0  # fused fills run (for stats and tests)
         self.fused_grads = 0
+        self.prescaled_fills = 0  # fills that also did DeepSpeed's division by the world size
         optimizer.reduce_independent_p_g_buckets_and_remove_grads = self._add
         optimizer.reduce_ipg_grads = self._reduce
 
@@ -63,6 +69,7 @@ class Zero12BucketFill:
             pending = self._pending[comm_dtype] = _Pending()
         pending.grads.append(grad)
         pending.offsets.append(bucket.elements)
+        pending.numel += numel
         if self.buckets.has_streams:
             opt._record_gradient_stream(grad, self.buckets.current_stream())
             pending.streams.append(self.buckets.current_stream())
@@ -75,16 +82,30 @@ class Zero12BucketFill:
         return None
 
     def _reduce(self, comm_dtype=None):
-        if comm_dtype is None:
-            for dtype in list(self._pending):
+        dtypes = self.buckets.sorted_dtypes() if comm_dtype is None else [comm_dtype]
+        if not any(self._can_prescale(dtype) for dtype in dtypes):
+            for dtype in dtypes:
                 self._flush(dtype)
-        else:
-            self._flush(comm_dtype)
-        return self._original_reduce(comm_dtype=comm_dtype)
+            return self._original_reduce(comm_dtype=comm_dtype)
+        # One dtype at a time (what DeepSpeed does inside one call), so each bucket's
+        # reduction knows whether its fill already divided it.
+        for dtype in dtypes:
+            prescale = self._can_prescale(dtype)
+            self._flush(dtype, scale=self.buckets.average_factor() if prescale else 1.0)
+            with self.buckets.division_skipped(prescale):
+                self._original_reduce(comm_dtype=dtype)
+        return None
+
+    def _can_prescale(self, comm_dtype) -> bool:
+        # Every element the bucket holds came through the fused fill (an oversized grad
+        # bypasses the buffer and is divided by DeepSpeed itself).
+        pending = self._pending.get(comm_dtype)
+        return (pending is not None and self.buckets.divides_bucket_before_reduce(comm_dtype)
+                and self.optimizer.ipg_buckets[comm_dtype].elements == pending.numel)
 
     # ---- the fused fill ------------------------------------------------------------------
 
-    def _flush(self, comm_dtype) -> None:
+    def _flush(self, comm_dtype, scale: float = 1.0) -> None:
         pending = self._pending.pop(comm_dtype, None)
         if pending is None or not pending.grads:
             return
@@ -102,10 +123,11 @@ class Zero12BucketFill:
                 bucket.copy_streams.add(current)
         else:
             self.buckets.wait_before_reusing(bucket)
-        ops.bucket_fill(buffer, pending.grads, pending.offsets)
+        ops.bucket_fill(buffer, pending.grads, pending.offsets, scale)
         for grad, offset in zip(pending.grads, pending.offsets):
             grad.data = buffer.narrow(0, offset, grad.numel()).view_as(grad)
         self.fills += 1
+        self.prescaled_fills += scale != 1.0
         self.fused_grads += len(pending.grads)
 
     def discard(self) -> None:

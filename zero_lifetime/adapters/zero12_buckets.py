@@ -6,6 +6,9 @@ The bucket state lives in ``optimizer.ipg_buckets[comm_dtype]`` (``buffer`` list
 ``reduce_ipg_grads`` reduces what a bucket holds.
 """
 
+import contextlib
+
+from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
@@ -32,11 +35,18 @@ class Zero12Buckets:
             ("_offload_gradient_safety_enabled", "the offload stream-safety flag"),
             ("_record_gradient_stream", "the gradient stream recording"),
             ("_record_bucket_producer", "the bucket producer events"),
+            ("reduce_scatter", "the reduce_scatter flag"),
+            ("gradient_average", "the gradient averaging flag"),
+            ("dp_process_group", "the data-parallel group"),
+            ("sequence_parallel_size", "the sequence-parallel size"),
+            ("extra_large_param_to_reduce", "the oversized-gradient slots"),
         ):
             require(optimizer, name, f"ZeRO-1/2 {what}")
         for bucket in optimizer.ipg_buckets.values():
             for name in _BUCKET_ATTRS:
                 require(bucket, name, "an IPG bucket field")
+        import deepspeed.runtime.zero.stage_1_and_2 as stage12
+        self._sort_dtypes = require(stage12, "sort_dtypes", "DeepSpeed's bucket dtype order")
         self.zenflow = bool(getattr(optimizer, "zenflow", False))
         self.is_moe_param = is_moe_param
         self._autoep = getattr(optimizer, "_maybe_reduce_autoep_folding_tp_gradient", None)
@@ -53,3 +63,29 @@ class Zero12Buckets:
         reduction that last read it (recorded per buffer index) has finished."""
         if self.optimizer._offload_gradient_safety_enabled and bucket.index in bucket.reuse_events:
             self.current_stream().wait_event(bucket.reuse_events[bucket.index])
+
+    def sorted_dtypes(self):
+        return self._sort_dtypes(self.optimizer.ipg_buckets.keys())  # DeepSpeed's reduction order
+
+    def divides_bucket_before_reduce(self, comm_dtype) -> bool:
+        """average_tensor's reduce_scatter path divides the bucket in place first."""
+        opt = self.optimizer
+        return (opt.reduce_scatter and opt.gradient_average and opt.contiguous_gradients
+                and comm_dtype not in opt.extra_large_param_to_reduce and self.average_factor() != 1.0)
+
+    def average_factor(self) -> float:
+        opt = self.optimizer
+        return float(opt.sequence_parallel_size) / dist.get_world_size(group=opt.dp_process_group)
+
+    @contextlib.contextmanager
+    def division_skipped(self, skip: bool):
+        """average_tensor without its division (the fill already applied it)."""
+        if not skip:
+            yield
+            return
+        opt = self.optimizer
+        opt.gradient_average = False
+        try:
+            yield
+        finally:
+            opt.gradient_average = True
