@@ -12,6 +12,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 from zero_lifetime.single_rank import free_port
 
@@ -133,6 +134,17 @@ def test_multitask_matches_allreduced_torch(results, sc):
         if sc["stage"] in (1, 2):  # the fused fill ran, a few grads per fill, dividing by the world size
             assert record["fused_grads"] > record["fills"] > 0, record
             assert record["prescaled_fills"] > 0, record
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_multitask_bf16_offload_equals_no_offload(results, stage):
+    with_offload = results.records(f"multitask-stage{stage}-offload-per_task-bf16")
+    without = results.records(f"multitask-stage{stage}-no_offload-per_task-bf16")
+    for rank in range(worker.WORLD):
+        got, want = with_offload[rank]["weights"], without[rank]["weights"]
+        for name in want:
+            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]), atol=1e-6, rtol=0,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 @pytest.mark.parametrize("sc", STOCK, ids=_ids(STOCK))

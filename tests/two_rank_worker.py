@@ -81,8 +81,9 @@ def _build_scenarios():
             for mode in ("per_task", "summed"):
                 sid = f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-{mode}-fp32"
                 out.append(dict(id=sid, kind="multitask", stage=stage, offload=offload, mode=mode, dtype="fp32"))
-        out.append(dict(id=f"multitask-stage{stage}-offload-per_task-bf16", kind="multitask", stage=stage,
-                        offload=True, mode="per_task", dtype="bf16"))
+        for offload in (False, True):  # bf16: with offload must equal without it
+            out.append(dict(id=f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-per_task-bf16",
+                            kind="multitask", stage=stage, offload=offload, mode="per_task", dtype="bf16"))
     # Last: a failing backward may leave DeepSpeed's global state odd.
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
     return out
@@ -265,7 +266,9 @@ def _run_multitask(sc, rank):
     fill = zero_lifetime.install(engine).bucket_fill
     mt.train_engine(engine, sc["mode"], STEPS, rank=rank, dtype=sc["dtype"])
     mt.train_reference(reference, sc["mode"], STEPS, rank=rank, world=WORLD)
+    weights = {name: w.tolist() for name, w in mt.engine_weights(engine).items()}
     return {"abs_diff": mt.max_differences(engine, reference), "tolerance": mt.tolerance(sc["dtype"]),
+            "weights": weights,
             "fused_grads": fill.fused_grads if fill else None, "fills": fill.fills if fill else None,
             "prescaled_fills": fill.prescaled_fills if fill else None}
 
