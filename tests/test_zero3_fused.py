@@ -49,12 +49,12 @@ def op_calls(monkeypatch):
     return calls
 
 
-def _pair(dtype="fp32", overlap=True, lr=0.1):
-    """harness.make_pair's engine and oracle, with a small bucket, overlap_comm and maybe bf16."""
+def _pair(dtype="fp32", lr=0.1, **zero):
+    """harness.make_pair's engine and oracle, with a small bucket, maybe bf16, and ``zero`` options."""
     torch.manual_seed(0)
     model = MODELS["mlp_norm"]()
     reference = copy.deepcopy(model)
-    cfg = ds_config(3, lr=lr, reduce_bucket_size=SMALL_BUCKET, overlap_comm=overlap)
+    cfg = ds_config(3, lr=lr, reduce_bucket_size=SMALL_BUCKET, **zero)
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
@@ -96,12 +96,17 @@ def _assert_matches(engine, reference, dtype, stock=None):
 # ---- one rank: the bucket fill ------------------------------------------------------------
 
 
+# reduce_scatter off: the flush all-reduces the bucket buffer itself instead of the grads viewing it.
+ZERO_OPTIONS = {"overlap": {"overlap_comm": True}, "no_overlap": {"overlap_comm": False},
+                "buffer_all_reduce": {"overlap_comm": True, "reduce_scatter": False}}
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
-def test_single_rank_matches_torch(dtype, overlap, op_calls):
-    stock, *_ = _pair(dtype, overlap)
+@pytest.mark.parametrize("options", list(ZERO_OPTIONS))
+def test_single_rank_matches_torch(dtype, options, op_calls):
+    stock, *_ = _pair(dtype, **ZERO_OPTIONS[options])
     _train(stock, dtype=dtype)
-    engine, reference, ref_opt = _pair(dtype, overlap)
+    engine, reference, ref_opt = _pair(dtype, **ZERO_OPTIONS[options])
     fused = Zero3FusedCopies(engine)
     _train(engine, reference, ref_opt, dtype)
     _assert_matches(engine, reference, dtype, stock)

@@ -13,7 +13,10 @@
   path does not cover (quantized, persistent params, mixed dtypes, an unexpected layout)
   keeps the stock wait.
 
-Only used with more than one rank: one rank gets ``NoGatherCoalescedHandle`` (no gather).
+The gather half only runs with more than one rank: one rank gets ``NoGatherCoalescedHandle``
+(nothing to gather), and a group of one param gets the sequential ``AllGatherHandle``.
+Nothing is patched on a class: both halves are per-instance attributes of this engine's
+optimizer and params, so other engines stay stock.
 """
 
 import weakref
@@ -58,7 +61,7 @@ class Zero3FusedCopies:
             self._wrapped_gathers.append((param, original, wrapper))
 
     def uninstall(self) -> None:
-        """Stock methods back. Grads still pending are filled at their flush; in-flight handles wait stock."""
+        """Stock methods back: pending gradients are filled now; handles already in flight wait the stock way."""
         self._installed = False
         self._fill_all_pending()
         self.buckets.restore()
