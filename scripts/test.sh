@@ -12,4 +12,5 @@ for variant in native:"" asan:"address,undefined" tsan:"thread"; do
   cmake --build "$dir"
   ctest --test-dir "$dir" --output-on-failure
 done
+ZL_REQUIRE_CUDA_BUILD=${ZL_REQUIRE_CUDA_BUILD:-1} bash scripts/check_cuda_build.sh  # CUDA build break fails CI, no GPU needed
 python3 -m pytest tests -q -p no:cacheprovider "$@"
