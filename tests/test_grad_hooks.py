@@ -85,6 +85,11 @@ def test_param_frozen_at_initialize_is_refused_at_install(stage):
     model.heads[1].weight.requires_grad_(True)  # unfrozen after initialize
     with pytest.raises(ValueError, match=r"not managed by the ZeRO optimizer.*heads\.1\.weight"):
         zero_lifetime.install(engine)
+    # Nothing was left patched by the refused install.
+    assert not {"forward", "backward", "step"} & set(engine.__dict__)
+    patched = {"independent_gradient_partition_epilogue", "reduce_ipg_grads", "process_gradients",
+               "reduce_ready_partitions_and_remove_grads"}
+    assert not patched & set(engine.optimizer.__dict__), set(engine.optimizer.__dict__) & patched
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -108,3 +113,22 @@ def test_gradient_penalty_does_not_trip_the_check():
     (grad_x, ) = torch.autograd.grad(out.sum(), x, create_graph=True)
     engine.backward(mt.task_loss(out) + grad_x.pow(2).mean())
     engine.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_install_that_fails_midway_patches_nothing(monkeypatch, stage):
+    """A component failing late in install() unwinds the ones already installed."""
+    from zero_lifetime import micro_step_window
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    engine, _ = _engine(stage, False)
+    optimizer_attrs, engine_attrs = set(engine.optimizer.__dict__), set(engine.__dict__)
+    param_attrs = [set(p.__dict__) for p in engine.module.parameters()]
+    monkeypatch.setattr(micro_step_window.MicroStepWindow, "__init__", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        zero_lifetime.install(engine)
+    assert set(engine.optimizer.__dict__) == optimizer_attrs
+    assert set(engine.__dict__) == engine_attrs
+    assert [set(p.__dict__) for p in engine.module.parameters()] == param_attrs

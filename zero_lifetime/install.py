@@ -36,7 +36,6 @@ class Installation:
 
     def __init__(self, engine, policy: str, max_pinned_bytes: int):
         from .adapters.engine_backward import EngineBackward
-        from .tracker import make_tracker
 
         self.engine = engine
         self.policy = policy
@@ -46,31 +45,43 @@ class Installation:
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
         self.backward = EngineBackward(engine)
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
-        self.lifetime = None
-        self.accumulation = None
-        self.bucket_fill = None
-        if self.stage == 3:
-            from .zero3_lifetime import Zero3Lifetime
-            self.tracker = make_tracker(policy, max_pinned_bytes)
-            self.lifetime = Zero3Lifetime(engine, self.tracker)
-        else:
-            from .grad_accumulation import Zero12Accumulation
-            self.tracker = None
-            self.accumulation = Zero12Accumulation(engine.optimizer)
-            from .zero12_bucket_fill import Zero12BucketFill
-            self.bucket_fill = Zero12BucketFill(engine.optimizer)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
-        from .grad_hook_guard import GradHookGuard
-        self.grad_guard = GradHookGuard(engine, self.stage)
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
-        from .micro_step_window import MicroStepWindow
-        self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
         self._latest_forward = _ForwardOutputs()
         self._entered_via_outputs = False
         self._entry_managers = []  # DeepSpeed output hook managers of the backward being opened
         self._failed_backwards = 0
         self._patched = []
-        self._handles = [engine.module.register_forward_hook(self._on_root_forward)]
+        self._handles = []
+        self.tracker = None
+        self.grad_guard = self.lifetime = self.fused = None
+        self.accumulation = self.bucket_fill = self.window = None
+        try:
+            self._install_components(engine, policy, max_pinned_bytes)
+        except BaseException:
+            self.restore()  # never leave an engine half-patched
+            raise
+
+    def _install_components(self, engine, policy, max_pinned_bytes) -> None:
+        from .grad_hook_guard import GradHookGuard
+        from .micro_step_window import MicroStepWindow
+        from .tracker import make_tracker
+
+        self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
+        if self.stage == 3:
+            from .zero3_fused import Zero3FusedCopies
+            from .zero3_lifetime import Zero3Lifetime
+            self.tracker = make_tracker(policy, max_pinned_bytes)
+            self.fused = Zero3FusedCopies(engine)
+            self.lifetime = Zero3Lifetime(engine, self.tracker)
+        else:
+            from .grad_accumulation import Zero12Accumulation
+            from .zero12_bucket_fill import Zero12BucketFill
+            self.accumulation = Zero12Accumulation(engine.optimizer)
+            self.bucket_fill = Zero12BucketFill(engine.optimizer)
+        # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
+        self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
+        self._handles.append(engine.module.register_forward_hook(self._on_root_forward))
         # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
         # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
         for param in self._trainable:
@@ -90,23 +101,28 @@ class Installation:
         object.__setattr__(self.engine, name, wrapper_factory(original))
 
     def restore(self) -> None:
+        """Undo everything installed, in reverse order; safe on a partial install."""
         for name in self._patched:
             self.engine.__dict__.pop(name, None)
         self._patched.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.window is not None:
+            self.window.restore()
+        if self.bucket_fill is not None:
+            self.bucket_fill.restore()
+        if self.accumulation is not None:
+            self.accumulation.restore()
+        if self.fused is not None:  # fills pending gradients before the stock methods return
+            self.fused.uninstall()
         if self.lifetime is not None:
             self.lifetime.release_everything_held()
             self.lifetime.remove_hooks()
+        if self.tracker is not None:
             self.tracker.unregister_all()
-        # Reverse order of wrapping: the window wraps the epilogue on top of accumulation.
-        self.window.restore()
-        self.grad_guard.restore()
-        if self.accumulation is not None:
-            self.accumulation.restore()
-        if self.bucket_fill is not None:
-            self.bucket_fill.restore()
+        if self.grad_guard is not None:
+            self.grad_guard.restore()
 
     # ---- engine method wrappers ----------------------------------------------------------
 
@@ -303,6 +319,12 @@ class Installation:
             "pin_budget_fallbacks": 0,
             "failed_backwards": self._failed_backwards,
         }
+        result["grad_hooks_recreated"] = bool(self.grad_guard.recreated_hooks)
+        if self.bucket_fill is not None:
+            result.update(bucket_fills=self.bucket_fill.fills, filled_grads=self.bucket_fill.fused_grads,
+                          prescaled_fills=self.bucket_fill.prescaled_fills)
+        if self.fused is not None:
+            result.update(self.fused.counts)
         if self.lifetime is not None:
             self.lifetime.drain_deferred_if_idle()
             result.update(self.tracker.stats())
