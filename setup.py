@@ -47,6 +47,7 @@ if os.environ.get("ZERO_LIFETIME_BUILD_EXT", "1") != "0":
             sources=[f"csrc/{source}" for source in sources],
             include_dirs=native.include_dirs(),
             extra_compile_args=compile_args,
+            extra_link_args=native.extra_ldflags,
         ))
     cmdclass["build_ext"] = BuildExtension
 

@@ -3,6 +3,7 @@
 // CMake with ZL_BUILD_TORCH_EXTENSION=ON, all from csrc/sources.txt.
 #include <torch/extension.h>
 
+#include "ops/fast_path.h"
 #include "tracker_binding.h"
 
 // ZL_BUILD_HASH arrives as an identifier (see build_hash_define() in _native.py).
@@ -80,4 +81,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                "', max_pinned_bytes=" + std::to_string(self.max_pinned_bytes()) + ")";
       });
   zero_lifetime::add_hot_path_methods(tracker_class);  // pack / unpack
+  zero_lifetime::ops::add_fast_path_bindings(m);
 }

@@ -78,7 +78,7 @@ BUILD_HASH=-DZL_BUILD_HASH=zlh_check_cuda_build
 INCLUDES="-I$ROOT/csrc -I$TORCH/include -I$TORCH/include/torch/csrc/api/include -I$CUDA_HOME/include -I$PY_INCLUDE"
 DEFINES="-DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=$ABI $BUILD_HASH"
 # torch >= 2.10 headers need C++20 (cpp_extension passes -std=c++20 to both compilers).
-CXXFLAGS="-O2 -fPIC -std=c++20 -Wall -Werror=return-type $DEFINES $INCLUDES"
+CXXFLAGS="-O2 -fPIC -fopenmp -std=c++20 -Wall -Werror=return-type $DEFINES $INCLUDES"
 GENCODE=""
 for arch in ${ZL_CUDA_ARCHS:-80 90}; do GENCODE+=" -gencode=arch=compute_$arch,code=sm_$arch"; done
 NVCCFLAGS="-O3 -std=c++20 ${NVCC_TORCH_FLAGS[*]} --compiler-options '-fPIC' $GENCODE $DEFINES $INCLUDES"
@@ -99,7 +99,7 @@ read_sources() { grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "csrc/$1" | sed
   echo "  depfile = \$out.d"
   echo "  deps = gcc"
   echo "rule link"
-  echo "  command = ${CXX:-c++} -shared \$in -o \$out -Wl,--no-undefined -L$TORCH/lib -lc10 -lc10_cuda -ltorch -ltorch_cpu -ltorch_cuda -ltorch_python -L$CUDA_HOME/lib64 -lcudart -L$PY_LIBDIR -lpython$PY_LDVERSION -Wl,--allow-shlib-undefined"
+  echo "  command = ${CXX:-c++} -shared -fopenmp \$in -o \$out -Wl,--no-undefined -L$TORCH/lib -lc10 -lc10_cuda -ltorch -ltorch_cpu -ltorch_cuda -ltorch_python -L$CUDA_HOME/lib64 -lcudart -L$PY_LIBDIR -lpython$PY_LDVERSION -Wl,--allow-shlib-undefined"
   objects=""
   for src in $(read_sources sources.txt); do
     obj="obj/${src//\//_}.o"; objects+=" $obj"

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from zero_lifetime import ops, ops_reference
+from zero_lifetime import _native, ops, ops_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -33,12 +33,30 @@ def _native_ops(device):
     return torch.ops.zero_lifetime.bucket_fill, torch.ops.zero_lifetime.gather_copy_out
 
 
-@pytest.fixture(params=["native", "reference"])
+@pytest.fixture(params=["native", "public", "reference"])
 def impl(request):
-    """(bucket_fill, gather_copy_out) of the compiled CPU ops or of the reference."""
+    """(bucket_fill, gather_copy_out): the compiled CPU ops through the dispatcher, the
+    public API (whose CPU bucket_fill takes the direct fast path), or the reference."""
     if request.param == "native":
         return _native_ops("cpu")
+    if request.param == "public":
+        _native_ops("cpu")
+        return ops.bucket_fill, ops.gather_copy_out
     return ops_reference.bucket_fill, ops_reference.gather_copy_out
+
+
+def test_cpu_fast_path_applies_only_to_plain_cpu_tensors():
+    _native_ops("cpu")
+    fast = _native.load().bucket_fill_cpu_fast
+    buffer = torch.zeros(8)
+    version = buffer._version
+    assert fast(buffer, [torch.ones(2), torch.full((3,), 2.0)], [0, 4], 0.5) is True
+    assert_same(buffer, torch.tensor([0.5, 0.5, 0, 0, 1, 1, 1, 0]))
+    assert buffer._version > version  # as the dispatcher's in-place handling does
+    assert fast(buffer, [torch.ones(2, requires_grad=True)], [0], 1.0) is False  # autograd
+    assert fast(torch.zeros(8, device="meta"), [torch.ones(2, device="meta")], [0], 1.0) is False
+    assert fast(buffer, [torch.nn.Parameter(torch.ones(2))], [0], 1.0) is False  # a subclass
+    assert_same(buffer, torch.tensor([0.5, 0.5, 0, 0, 1, 1, 1, 0]))  # the refusals wrote nothing
 
 
 def expected_bucket(tensors, offsets, numel, dtype, scale):

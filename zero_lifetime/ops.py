@@ -26,6 +26,9 @@ _OP_NAMES = ("bucket_fill", "gather_copy_out")
 _impls: Dict[str, Tuple[Callable, Callable]] = {}
 _REFERENCE = (ops_reference.bucket_fill, ops_reference.gather_copy_out)
 _warned = False
+# The compiled module's direct CPU entry (no dispatcher round trip per tensor), once the
+# CPU implementation is resolved to the compiled ops; see csrc/ops/fast_path.cpp.
+_cpu_fast_fill = None
 
 
 def native_available() -> bool:
@@ -63,6 +66,9 @@ def _resolve(device_type: str) -> Tuple[Callable, Callable]:
             impls = _REFERENCE
         else:
             impls = tuple(getattr(torch.ops.zero_lifetime, name).default for name in _OP_NAMES)
+            if device_type == "cpu":
+                global _cpu_fast_fill
+                _cpu_fast_fill = getattr(_native.load(), "bucket_fill_cpu_fast", None)
     _impls[device_type] = impls
     return impls
 
@@ -76,8 +82,13 @@ def bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     any layout) on the buffer's device; destination ranges must not overlap, and a tensor
     may alias the buffer only as exactly its own destination slice (then it is scaled in
     place). Offsets are element offsets (64-bit)."""
-    impls = _impls.get(buffer.device.type) or _resolve(buffer.device.type)
-    impls[0](buffer, list(tensors), list(offsets), float(scale))
+    device_type = buffer.device.type
+    impls = _impls.get(device_type) or _resolve(device_type)
+    tensors, offsets, scale = list(tensors), list(offsets), float(scale)
+    if (device_type == "cpu" and _cpu_fast_fill is not None and impls is not _REFERENCE
+            and not torch.compiler.is_compiling() and _cpu_fast_fill(buffer, tensors, offsets, scale)):
+        return
+    impls[0](buffer, tensors, offsets, scale)
 
 
 def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Sequence[int],

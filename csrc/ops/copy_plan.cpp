@@ -26,9 +26,15 @@ void check_flat(const char* op, const char* name, const at::Tensor& t) {
               t.sym_strides());
 }
 
-void check_dtype(const char* op, const std::string& name, const at::Tensor& t) {
+void check_dtype(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(),
               " for ", name, "; expected float32, bfloat16 or float16");
+}
+
+// The message is only built on failure: this runs once per tensor on the hot path.
+void check_element_dtype(const char* op, size_t index, const at::Tensor& t) {
+  TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(),
+              " for tensors[", index, "]; expected float32, bfloat16 or float16");
 }
 
 // [first, last) bytes a possibly strided tensor can touch; {0, 0} when empty.
@@ -48,8 +54,15 @@ bool aliases_own_slice(const at::Tensor& buffer, const at::Tensor& t, int64_t of
 
 }  // namespace
 
-void check_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
-                       c10::IntArrayRef offsets, bool check_memory) {
+std::vector<const at::Tensor*> tensor_refs(at::TensorList tensors) {
+  std::vector<const at::Tensor*> refs;
+  refs.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) refs.push_back(&t);
+  return refs;
+}
+
+void check_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArrayRef offsets,
+                       bool check_memory) {
   constexpr const char* op = "bucket_fill";
   check_flat(op, "buffer", buffer);
   check_dtype(op, "buffer", buffer);
@@ -60,10 +73,10 @@ void check_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
   std::vector<std::tuple<int64_t, int64_t, size_t>> ranges;
   ranges.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
+    const at::Tensor& t = *tensors[i];
     TORCH_CHECK(t.device() == buffer.device(), op, ": tensors[", i, "] is on ", t.device(),
                 " but buffer is on ", buffer.device());
-    check_dtype(op, "tensors[" + std::to_string(i) + "]", t);
+    check_element_dtype(op, i, t);
     const int64_t offset = offsets[i];
     TORCH_CHECK(offset >= 0, op, ": offsets[", i, "] is negative (", offset, ")");
     const int64_t n = numel_of(t);
@@ -73,7 +86,8 @@ void check_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
                 buffer_numel, " elements)");
     if (n > 0) ranges.emplace_back(offset, offset + n, i);
   }
-  std::sort(ranges.begin(), ranges.end());
+  // DeepSpeed hands the ranges over in ascending order: sort only when they are not.
+  if (!std::is_sorted(ranges.begin(), ranges.end())) std::sort(ranges.begin(), ranges.end());
   for (size_t k = 1; k < ranges.size(); ++k) {
     const auto& [a0, a1, i] = ranges[k - 1];
     const auto& [b0, b1, j] = ranges[k];
@@ -89,9 +103,9 @@ void check_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
   const auto itemsize = static_cast<uintptr_t>(buffer.element_size());
   const uintptr_t buffer_end = base + static_cast<uintptr_t>(buffer_numel) * itemsize;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto [lo, hi] = byte_span(tensors[i]);
+    const auto [lo, hi] = byte_span(*tensors[i]);
     if (lo == hi || hi <= base || lo >= buffer_end) continue;
-    if (aliases_own_slice(buffer, tensors[i], offsets[i])) continue;
+    if (aliases_own_slice(buffer, *tensors[i], offsets[i])) continue;
     // First destination range ending after `lo`; it overlaps if it also starts before `hi`.
     const int64_t first_elem = static_cast<int64_t>((std::max(lo, base) - base) / itemsize);
     auto it = std::upper_bound(ranges.begin(), ranges.end(), first_elem,
@@ -142,15 +156,15 @@ void check_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
               ": out overlaps gathered in memory");
 }
 
-CopyPlan plan_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
-                          c10::IntArrayRef offsets, double scale) {
+CopyPlan plan_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArrayRef offsets,
+                          double scale) {
   CopyPlan plan;
   plan.dst = buffer.data_ptr();
   plan.dst_dtype = buffer.scalar_type();
   plan.scale = static_cast<float>(scale);
   plan.segments.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
+    const at::Tensor& t = *tensors[i];
     const int64_t n = t.numel();
     if (n == 0) continue;
     if (aliases_own_slice(buffer, t, offsets[i])) {

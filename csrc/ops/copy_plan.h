@@ -29,17 +29,31 @@ struct CopyPlan {
   int64_t total_numel = 0;              // sum of segments' numel
 };
 
+// The sources of a bucket_fill as pointers: the dispatcher hands over a TensorList, the
+// CPU fast path (fast_path.cpp) borrows the tensors of Python objects without copying
+// them (a copy of a Python-owned tensor costs a GIL round trip for its PyObject).
+using TensorRefs = c10::ArrayRef<const at::Tensor*>;
+std::vector<const at::Tensor*> tensor_refs(at::TensorList tensors);
+
 // Argument checks (TORCH_CHECK); `check_memory` adds the pointer-based aliasing checks,
 // which meta tensors have no memory for. Work on symbolic shapes (fake tensors) too.
-void check_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
-                       c10::IntArrayRef offsets, bool check_memory);
+void check_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArrayRef offsets,
+                       bool check_memory);
+inline void check_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
+                              c10::IntArrayRef offsets, bool check_memory) {
+  check_bucket_fill(buffer, TensorRefs(tensor_refs(tensors)), offsets, check_memory);
+}
 void check_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
                            c10::IntArrayRef shard_numels, c10::IntArrayRef numels,
                            int64_t world_size, bool check_memory);
 
 // Plans of already checked arguments.
-CopyPlan plan_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
-                          c10::IntArrayRef offsets, double scale);
+CopyPlan plan_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArrayRef offsets,
+                          double scale);
+inline CopyPlan plan_bucket_fill(const at::Tensor& buffer, at::TensorList tensors,
+                                 c10::IntArrayRef offsets, double scale) {
+  return plan_bucket_fill(buffer, TensorRefs(tensor_refs(tensors)), offsets, scale);
+}
 CopyPlan plan_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
                               c10::IntArrayRef shard_numels, c10::IntArrayRef numels,
                               int64_t world_size);

@@ -23,6 +23,7 @@ using c10::ScalarType;
 // Elements per parallel chunk at least: torch's own grain (at::internal::GRAIN_SIZE), big
 // enough to amortise waking a thread. Chunks are cut at any element, across segments.
 constexpr int64_t kGrainSize = 32768;
+constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
 
 // Scalar conversion, same rounding as the vector paths and as torch's copy_ (nearest even).
 template <typename Src, typename Dst>
@@ -139,7 +140,12 @@ void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan
   char* dst = static_cast<char*>(plan.dst) + (seg.dst_offset + begin) * dst_size;
   const int64_t n = end - begin;
   if (seg.src_dtype == plan.dst_dtype && plan.scale == 1.0f) {
-    if (src != dst) std::memcpy(dst, src, n * src_size);
+    if (src == dst) return;
+    // glibc switches to non-temporal stores for large copies (measured here: a 4 MiB
+    // memcpy per thread ran ~1.5x slower than the same bytes in 256 KiB pieces).
+    for (int64_t done = 0, bytes = n * src_size; done < bytes; done += kMemcpyPieceBytes) {
+      std::memcpy(dst + done, src + done, std::min(kMemcpyPieceBytes, bytes - done));
+    }
     return;
   }
 #ifdef ZL_HAVE_AVX2_PATH
