@@ -606,8 +606,11 @@ def test_two_processes_jit_build_once(tmp_path):
                  if not ln.startswith("#")]
     outputs_built = [fields[3] for fields in log_lines]
     assert len(outputs_built) == len(set(outputs_built)), outputs_built
-    assert sorted(o for o in outputs_built if o.endswith(".o")) == sorted(
-        Path(s).stem + ".o" for s in _native.SOURCES)
+    # cpp_extension names objects <stem>.o and, for .cu sources, <stem>.cuda.o.
+    expected = [Path(s).stem + ".o" for s in _native.SOURCES]
+    if _native.cuda_build_enabled():
+        expected += [Path(s).stem + ".cuda.o" for s in _native.CUDA_SOURCES]
+    assert sorted(o for o in outputs_built if o.endswith(".o")) == sorted(expected)
 
 
 def test_build_failure_falls_back_with_one_warning(tmp_path):
