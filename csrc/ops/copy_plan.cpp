@@ -17,6 +17,7 @@ bool supported_dtype(c10::ScalarType t) {
 
 // numel that also works on fake tensors with symbolic shapes (adds a guard there).
 int64_t numel_of(const at::Tensor& t) {
+  if (!t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return t.numel();  // hot path
   return t.sym_numel().guard_int(__FILE__, __LINE__);
 }
 
@@ -39,9 +40,13 @@ void check_element_dtype(const char* op, size_t index, const at::Tensor& t) {
 
 // [first, last) bytes a possibly strided tensor can touch; {0, 0} when empty.
 std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
-  if (t.numel() == 0) return {0, 0};
-  int64_t extent = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const int64_t numel = t.numel();
+  if (numel == 0) return {0, 0};
+  int64_t extent = numel;  // contiguous: the common case, no per-dimension walk
+  if (!t.is_contiguous()) {
+    extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  }
   auto start = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   return {start, start + static_cast<uintptr_t>(extent) * t.element_size()};
 }
