@@ -1,4 +1,4 @@
-"""Overhead of zero_lifetime.install on a ZeRO-3 training step, side by side with stock.
+"""Overhead of zero_lifetime.install on a ZeRO-3 (or ZeRO-2) training step, side by side with stock.
 
 One process, 1 rank (gloo, CPU). A small transformer; stock and installed engines
 are built from the same weights and their steps are interleaved, so machine noise
@@ -6,7 +6,9 @@ hits both alike. Reports medians and the ratio, plus gathered bytes (params held
 gathered beyond persistence) after forward and at peak during a retained
 two-backward step under each policy.
 
-    python benchmarks/bench_step_overhead.py [--steps 30] [--layers 4] [--width 256]
+    python benchmarks/bench_step_overhead.py [--stage 3] [--steps 30] [--layers 4] [--width 256]
+
+With --stage 2 only the step time is compared (the gathered-bytes part is ZeRO-3's).
 """
 
 import argparse
@@ -44,13 +46,14 @@ class TinyTransformer(torch.nn.Module):
         return self.head(h)
 
 
-def make_engine(model, **zero):
+def make_engine(model, stage=3, **zero):
     cfg = {
         "train_micro_batch_size_per_gpu": 8,
         "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+        "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+                              **zero},
     }
     engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
     return engine
@@ -99,6 +102,7 @@ def timed(fn, *args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
@@ -107,8 +111,8 @@ def main(argv=None):
 
     torch.manual_seed(0)
     model = TinyTransformer(args.layers, args.width)
-    stock = make_engine(model)
-    installed = make_engine(model)
+    stock = make_engine(model, args.stage)
+    installed = make_engine(model, args.stage)
     zero_lifetime.install(installed)
     tokens = torch.randint(0, 512, (8, args.seq))
 
@@ -120,12 +124,14 @@ def main(argv=None):
         times["stock"].append(timed(single_backward_step, stock, tokens))
         times["installed"].append(timed(single_backward_step, installed, tokens))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    n_params = sum(p.ds_numel for p in stock.module.parameters())
-    print(f"ZeRO-3 single-backward step, {n_params / 1e6:.2f}M params, {args.steps} interleaved steps, "
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in stock.module.parameters())
+    print(f"ZeRO-{args.stage} single-backward step, {n_params / 1e6:.2f}M params, {args.steps} interleaved steps, "
           f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
     print(f"  stock      median {med['stock']:8.2f} ms")
     print(f"  installed  median {med['installed']:8.2f} ms   overhead {100 * (med['installed'] / med['stock'] - 1):+.2f}%")
 
+    if args.stage != 3:
+        return
     # Memory: gathered bytes after forward and at peak (stock single backward vs retained windows).
     # Release eagerly (no reuse window, no prefetch) so that stock frees module by module.
     eager = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
