@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -232,6 +233,47 @@ def _missing_toolchain() -> Optional[str]:
     return None
 
 
+JIT_LOCK_TIMEOUT_ENV = "ZERO_LIFETIME_JIT_LOCK_TIMEOUT"
+_DEFAULT_JIT_LOCK_TIMEOUT_S = 600.0
+
+
+class StaleBuildLockError(RuntimeError):
+    """torch's JIT build lock was left behind by a build that no longer runs."""
+
+
+def _newest_activity(build_dir: Path) -> float:
+    """mtime of the most recently written file of a build (ninja writes as it goes)."""
+    newest = build_dir.stat().st_mtime
+    for path in build_dir.rglob("*"):
+        try:
+            newest = max(newest, path.stat().st_mtime)
+        except OSError:  # removed while we look: that is activity too
+            return time.time()
+    return newest
+
+
+def wait_for_build_lock(build_dir: Path, timeout_s: Optional[float] = None, poll_s: float = 0.5) -> None:
+    """Wait while another process builds in ``build_dir``; raise if its lock is stale.
+
+    torch's FileBaton waits for ever on ``<build_dir>/lock``, and a build killed half-way
+    (a rank killed by its launcher, Ctrl-C) leaves that file behind: every later run would
+    hang. A live build keeps writing objects; a lock with nothing written in the build
+    directory for ``timeout_s`` seconds is reported, with the command that clears it.
+    """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(JIT_LOCK_TIMEOUT_ENV, _DEFAULT_JIT_LOCK_TIMEOUT_S))
+    lock = build_dir / "lock"
+    while lock.exists():
+        idle = time.time() - _newest_activity(build_dir)
+        if idle > timeout_s:
+            raise StaleBuildLockError(
+                f"zero_lifetime: the JIT build directory {build_dir} is locked by {lock}, and nothing "
+                f"has been written there for {idle:.0f} s: a build was probably killed half-way. If no "
+                f"other process is building it, remove the lock (rm {lock}) and run again. "
+                f"({JIT_LOCK_TIMEOUT_ENV} sets how long an idle lock is trusted; now {timeout_s:.0f} s.)")
+        time.sleep(poll_s)
+
+
 def jit_load(verbose: bool = False) -> Any:
     """Compile (or reuse the cached build of) the extension; raises on failure."""
     missing = _missing_toolchain()
@@ -242,6 +284,7 @@ def jit_load(verbose: bool = False) -> Any:
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     _status["build_directory"] = str(build_dir)
+    wait_for_build_lock(build_dir)
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=source_paths(),

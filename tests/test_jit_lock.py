@@ -1,0 +1,77 @@
+"""A JIT build killed half-way must not make later runs wait for ever on its lock."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from zero_lifetime import _native
+from zero_lifetime._native import StaleBuildLockError, wait_for_build_lock
+
+
+def _age(path, seconds):
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def test_stale_lock_is_reported_with_the_fix(tmp_path):
+    (tmp_path / "build.ninja").write_text("")
+    (tmp_path / "lock").write_text("")
+    for path in (tmp_path / "build.ninja", tmp_path / "lock", tmp_path):
+        _age(path, 120)
+    with pytest.raises(StaleBuildLockError, match=r"rm .*lock"):
+        wait_for_build_lock(tmp_path, timeout_s=60, poll_s=0.05)
+
+
+def test_live_build_is_waited_for(tmp_path):
+    """A lock whose build keeps writing is trusted, however old the lock itself is."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    _age(lock, 3600)
+
+    def build():
+        for i in range(6):
+            (tmp_path / f"obj{i}.o").write_text("x")
+            time.sleep(0.25)
+        lock.unlink()
+
+    builder = threading.Thread(target=build)
+    started = time.monotonic()
+    builder.start()
+    wait_for_build_lock(tmp_path, timeout_s=1.0, poll_s=0.05)
+    builder.join()
+    assert time.monotonic() - started >= 1.2  # it did wait for the build to finish
+
+
+def test_no_lock_returns_at_once(tmp_path):
+    started = time.monotonic()
+    wait_for_build_lock(tmp_path, timeout_s=1.0)
+    assert time.monotonic() - started < 0.5
+
+
+def test_jit_load_fails_fast_on_a_stale_lock(tmp_path):
+    """The real entry point: a stale lock in the hashed build directory ends the build
+    attempt with the explanation, instead of torch's FileBaton waiting for ever."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="1")
+    code = textwrap.dedent("""
+        import os, time
+        from zero_lifetime import _native
+        build_dir = _native.build_directory()
+        build_dir.mkdir(parents=True)
+        lock = build_dir / "lock"
+        lock.write_text("")
+        old = time.time() - 60
+        for path in (lock, build_dir):
+            os.utime(path, (old, old))
+        try:
+            _native.jit_load()
+        except _native.StaleBuildLockError as exc:
+            print("STALE", exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "STALE" in done.stdout and f"rm {tmp_path}" in done.stdout, done.stdout
