@@ -4,15 +4,18 @@ import logging
 import threading
 import warnings
 import weakref
+from typing import Optional
 
 import torch
 
+from . import config
+from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError
 from .backward_scope import BackwardScope
 
 logger = logging.getLogger("zero_lifetime")
 
-POLICIES = ("regather", "pin")
+POLICIES = config.POLICIES
 _ATTR = "_zero_lifetime_installation"
 _install_lock = threading.Lock()
 
@@ -359,19 +362,27 @@ def _tensors_in(value):
         yield from _tensors_in(value.to_tuple())
 
 
-def install(engine, policy: str = "regather", max_pinned_bytes: int = -1, strict: bool = True):
+def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int] = None,
+            strict: Optional[bool] = None):
     """Install zero_lifetime on a DeepSpeed engine; returns the installation handle.
 
     policy: "regather" (default; memory like stock ZeRO-3, released params are
     gathered again when a retained graph needs them) or "pin" (params stay gathered
     while a live graph references them, up to ``max_pinned_bytes``; -1 = no limit).
+    strict=False: on an unrecognised DeepSpeed, warn and patch nothing instead of raising.
+    Options not given here come from the DeepSpeed config's "zero_lifetime" section.
     Installing twice returns the same handle.
     """
     _check_engine(engine)
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not isinstance(max_pinned_bytes, int) or isinstance(max_pinned_bytes, bool) or max_pinned_bytes < -1:
-        raise ValueError(f"max_pinned_bytes must be an int >= 0, or -1 for no limit; got {max_pinned_bytes!r}")
+    given = {"policy": policy, "max_pinned_bytes": max_pinned_bytes, "strict": strict}
+    try:
+        raw = raw_config(engine)
+    except UnsupportedDeepSpeedError:
+        if strict is not False:
+            raise
+        raw = {}
+    options = config.resolve(raw, **given)
+    policy, max_pinned_bytes, strict = options["policy"], options["max_pinned_bytes"], options["strict"]
     with _install_lock:
         existing = engine.__dict__.get(_ATTR)
         if existing is not None:
