@@ -94,6 +94,7 @@ class Installation:
         self._patch("zero_grad", self._zero_grad)
         self._patch("step", self._step)
         self._patch("scale", self._scale)
+        self._patch("destroy", self._destroy)
         logger.info(SEMANTICS_NOTE)
 
     # ---- patching ---------------------------------------------------------------------
@@ -184,6 +185,15 @@ class Installation:
             return result
 
         return step
+
+    def _destroy(self, original):
+
+        def destroy(*args, **kwargs):
+            # Release what we hold and unpatch before DeepSpeed tears its optimizer down.
+            uninstall(self.engine)
+            return original(*args, **kwargs)
+
+        return destroy
 
     def _scale(self, original):
 
