@@ -68,9 +68,15 @@ def test_unknown_deepspeed_internals_fail_clearly(monkeypatch):
 
 def test_semantics_logged_once_at_install(caplog):
     engine, *_ = make_pair("mlp_norm", 2)
-    with caplog.at_level(logging.INFO, logger="zero_lifetime"):
-        zero_lifetime.install(engine)
-        zero_lifetime.install(engine)
+    # A child of DeepSpeed's logger, which does not propagate to the root: listen on it.
+    logger = logging.getLogger("DeepSpeed.zero_lifetime")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="DeepSpeed.zero_lifetime"):
+            zero_lifetime.install(engine)
+            zero_lifetime.install(engine)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert sum("torch semantics" in r.message for r in caplog.records) == 1
 
 

@@ -1,6 +1,5 @@
 """install(engine) / uninstall(engine) / stats(engine): the public entry points."""
 
-import logging
 import threading
 import warnings
 import weakref
@@ -12,8 +11,9 @@ from . import config
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError
 from .backward_scope import BackwardScope
+from .reporting import StatsReporter, get_logger
 
-logger = logging.getLogger("zero_lifetime")
+logger = get_logger()
 
 POLICIES = config.POLICIES
 _ATTR = "_zero_lifetime_installation"
@@ -84,6 +84,7 @@ class Installation:
             self.bucket_fill = Zero12BucketFill(engine.optimizer)
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
+        self.reporter = StatsReporter(engine, self.stats)
         self._handles.append(engine.module.register_forward_hook(self._on_root_forward))
         # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
         # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
@@ -179,9 +180,12 @@ class Installation:
 
         def step(*args, **kwargs):
             self.recover_if_backward_died()
+            boundary = self.engine.is_gradient_accumulation_boundary()
             result = original(*args, **kwargs)
             if self.accumulation is not None:
                 self.accumulation.grads_cleared()
+            if boundary:
+                self.reporter.after_step()
             return result
 
         return step
