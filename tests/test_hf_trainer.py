@@ -1,0 +1,114 @@
+"""Hugging Face Trainer + DeepSpeed ZeRO-3 + zero_lifetime, on the CPU, with a tiny GPT-2
+built from a config (no download). A Trainer whose training step backwards two losses over
+one forward (retain_graph) fails on stock ZeRO-3; with the callback it trains exactly like
+the same Trainer backwarding the summed loss once on stock DeepSpeed (torch semantics: two
+backwards without zero_grad sum their gradients)."""
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # installed by scripts/setup_env.sh
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+import zero_lifetime  # noqa: E402
+from zero_lifetime.integrations.hf_trainer import ZeroLifetimeCallback, add_to_trainer  # noqa: E402
+
+STEPS, LR = 3, 0.05
+
+
+class Tokens(torch.utils.data.Dataset):
+
+    def __len__(self):
+        return 4  # one batch: the same data every step, whatever the sampler's order
+
+    def __getitem__(self, i):
+        tokens = torch.randint(0, 50, (8, ), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def second_loss(logits):
+    return logits.float().pow(2).mean()
+
+
+class TwoLossTrainer(Trainer):
+    """Language-model loss plus a penalty on the logits, as two backwards of one forward."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        out = model(**inputs)
+        engine = self.model_wrapped
+        engine.backward(out.loss, retain_graph=True)
+        self.accelerator.backward(second_loss(out.logits))  # accelerate's: backward, then engine.step()
+        return out.loss.detach()
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _trainer(model, tmp_path):
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "zero_allow_untested_optimizer": True}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
+                             deepspeed=ds, use_cpu=True, report_to=[], save_strategy="no", optim="sgd",
+                             learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
+                             weight_decay=0.0, disable_tqdm=True, logging_strategy="no")
+    return TwoLossTrainer(model=model, args=args, train_dataset=Tokens())
+
+
+class SummedLossTrainer(Trainer):
+    """The oracle: one backward of the summed losses, which stock ZeRO-3 handles."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        out = model(**inputs)
+        self.accelerator.backward(out.loss + second_loss(out.logits))
+        return out.loss.detach()
+
+
+def _weights(trainer):
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
+
+
+def test_trainer_with_callback_matches_summed_loss(tmp_path):
+    oracle = _trainer(_model(), tmp_path / "oracle")
+    oracle.__class__ = SummedLossTrainer
+    oracle.train()
+    want = _weights(oracle)
+
+    trainer = _trainer(_model(), tmp_path / "two")
+    callback = add_to_trainer(trainer)
+    trainer.train()
+    assert callback.installation is not None
+    assert zero_lifetime.stats(trainer.model_wrapped)["pinned_params"] == 0
+    got = _weights(trainer)
+    initial = {n: p.detach() for n, p in _model().named_parameters()}
+    assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-3  # it trained
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_stock_trainer_fails_on_the_second_backward(tmp_path):
+    """Negative control: the same Trainer without the callback."""
+    trainer = _trainer(_model(), tmp_path)
+    # The released (empty) params reach the second backward; the op that notices names it.
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(0\)|weight of shape \[0\]"):
+        trainer.train()
+
+
+def test_callback_without_deepspeed_says_so(tmp_path):
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=_model(), args=args, train_dataset=Tokens())
+    trainer.add_callback(ZeroLifetimeCallback(trainer))
+    with pytest.raises(RuntimeError, match="does not train with DeepSpeed"):
+        trainer.train()
