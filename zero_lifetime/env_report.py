@@ -114,6 +114,25 @@ def _tracker_lines() -> List[Tuple[str, str]]:
     return lines
 
 
+def _ops_lines() -> List[Tuple[str, str]]:
+    """Which fused-op kernels the loaded extension registered (no CUDA context created)."""
+    from . import _native
+
+    if _native.force_python() or _native.load() is None:
+        return [("fused ops", "pure-torch reference (zero_lifetime.ops_reference)")]
+    import torch
+
+    kernels = []
+    for key in ("CPU", "CUDA", "Meta"):
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key("zero_lifetime::bucket_fill", key):
+                kernels.append(key)
+        except RuntimeError:
+            pass
+    fast = "yes" if hasattr(_native.load(), "bucket_fill_cpu_fast") else "no"
+    return [("fused ops", f"compiled kernels: {', '.join(kernels) or 'none'}; CPU fast path: {fast}")]
+
+
 def _cuda_context_line() -> Optional[Tuple[str, str]]:
     torch = sys.modules.get("torch")
     if torch is None:
@@ -130,6 +149,10 @@ def report() -> List[Tuple[str, str]]:
         lines += _tracker_lines()
     except Exception as e:  # noqa: BLE001
         lines.append(("tracker impl", f"unknown ({type(e).__name__}: {e})"))
+    try:
+        lines += _ops_lines()
+    except Exception as e:  # noqa: BLE001 - the report never raises
+        lines.append(("fused ops", f"unknown ({type(e).__name__}: {e})"))
     cuda_line = _cuda_context_line()
     if cuda_line:
         lines.append(cuda_line)
