@@ -77,7 +77,9 @@ def test_semantics_logged_once_at_install(caplog):
             zero_lifetime.install(engine)
     finally:
         logger.removeHandler(caplog.handler)
-    assert sum("torch semantics" in r.message for r in caplog.records) == 1
+    # One record; the handler may see it twice when another library made DeepSpeed's
+    # logger propagate to the root logger (where caplog listens too).
+    assert len({id(r) for r in caplog.records if "torch semantics" in r.message}) == 1
 
 
 class Boom(Exception):
