@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 # torch first and pinned: an unpinned torch (or one pulled in by deepspeed) would
 # fetch a multi-GB CUDA build; 2.13.0 is the CPU build this project supports.
 "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q "deepspeed==0.19.8" "pybind11>=2.12" ninja "pytest>=8"
+"$PY" -m pip install -q "deepspeed==0.19.8" "pybind11>=2.12" ninja "pytest>=8" matplotlib  # matplotlib: bench --plot
 # The Hugging Face Trainer integration and its tests (tiny models built from configs, no downloads).
 "$PY" -m pip install -q "transformers==5.23.0" "accelerate==1.15.0"
 # Builds the C++ core ahead of time (zero_lifetime._C) against the installed torch.

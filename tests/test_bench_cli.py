@@ -1,0 +1,97 @@
+"""`python -m zero_lifetime.bench`: every sub-command runs on tiny sizes, its outputs are well formed.
+
+Timings are never asserted: only that the benchmarks run, report and record what they measured.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_lifetime.bench import cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args, timeout=120):
+    # DeepSpeed benchmarks initialise torch.distributed: a subprocess keeps pytest's process clean.
+    return subprocess.run([sys.executable, "-m", "zero_lifetime.bench", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def load(path):
+    payload = json.loads(Path(path).read_text())
+    env = payload["environment"]
+    for key in ("device", "torch", "deepspeed", "git_commit", "date", "ranks"):
+        assert key in env, key
+    assert env["device"] == "cpu"
+    return payload
+
+
+@pytest.mark.parametrize("command, extra, methods", [
+    ("release", [], {"stock coordinator.release_sub_module", "pin: last handle dies -> release"}),
+    ("step", ["--repeats", "2"], {"stock", "installed", "regather, retained two backwards"}),
+    ("gather", ["--ranks", "2", "--repeats", "2"], {"stock all_gather_coalesced + per-param cat",
+                                                    "fused gather_copy_out"}),
+])
+def test_deepspeed_subcommands_run_and_record_samples(tmp_path, command, extra, methods):
+    out = tmp_path / "bench.json"
+    proc = run_cli(command, "--quick", "--json", str(out), *extra)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "| case | method |" in proc.stdout
+    payload = load(out)
+    seen = set()
+    for result in payload["results"]:
+        assert result["bench"] == command
+        for method, samples in result["samples"].items():
+            assert samples and all(s > 0 for s in samples), method
+            seen.add(method)
+        assert len(result["summary"]) == len(result["samples"])
+    assert methods <= seen, seen
+    if command == "gather":  # the 2-rank all-gather ran, and its installed engine took the fused path
+        two_ranks = [r for r in payload["results"] if r.get("ranks") == 2]
+        assert two_ranks and all("installed: fused copy-out wait" in r["samples"] for r in two_ranks)
+    if command == "step":
+        assert any(t["target"].startswith("regather peak") for t in payload["targets"])
+        retained = [r for r in payload["results"] if "peak_gathered_bytes" in r]
+        assert retained and all(v > 0 for v in retained[0]["peak_gathered_bytes"].values())
+
+
+def test_bucket_in_process_json_plot_and_targets(tmp_path, capsys):
+    out, png = tmp_path / "bucket.json", tmp_path / "bucket.png"
+    assert cli.main(["bucket", "--quick", "--repeats", "2", "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr()
+    assert "within 1.2x of the roofline (CPU)" in printed.out
+    assert "] 4/4 " in printed.err  # the progress bar went to stderr
+    payload = load(out)
+    assert {r["bench"] for r in payload["results"]} == {"bucket"}
+    assert all(len(s) == 2 for r in payload["results"] for s in r["samples"].values())
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_gather_one_rank_in_process(tmp_path):
+    png = tmp_path / "gather.png"
+    assert cli.main(["gather", "--quick", "--repeats", "2", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("argv", [[], ["nope"], ["bucket", "--repeats", "0"], ["bucket", "--ranks", "3"],
+                                  ["gather", "--device", "tpu"]])
+def test_bad_arguments_exit_2_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cuda_without_gpu_is_a_clear_error_not_a_traceback():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = run_cli("gather", "--quick", "--device", "cuda", timeout=60)
+    assert proc.returncode == 2
+    assert "--device cuda needs a CUDA GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,117 @@
+"""python -m zero_lifetime.bench {release,gather,bucket,step,all} [options]
+
+Each sub-command runs the stock DeepSpeed way and the zero_lifetime way side by side in
+one process (interleaved rounds), and prints medians, ratios and issue 4's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, Sequence
+
+from . import bucket, gather, release, step
+from .report import Progress, print_results, print_targets, write_json, write_plot
+
+BENCHES = {  # name -> (module, title)
+    "release": (release, "Release of a module's params after its backward (ZeRO-3)"),
+    "gather": (gather, "ZeRO-3 gather copy-out (and with --ranks 2, the real all-gather)"),
+    "bucket": (bucket, "Gradient bucket fill (ZeRO-1/2/3)"),
+    "step": (step, "Training step, stock vs install (1 rank)"),
+}
+DEFAULT_REPEATS = {"step": (3, 20), "release": (5, 15), "gather": (5, 15), "bucket": (5, 15)}  # (quick, full)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where tensors live (default cpu)")
+    common.add_argument("--ranks", type=int, choices=[1, 2], default=1,
+                        help="processes for `gather` (2: real coalesced all-gather, gloo on CPU); default 1")
+    common.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (CI, the demo)")
+    common.add_argument("--repeats", type=_positive_int, default=None,
+                        help="timed rounds per case (default: 15, step 20; --quick: 5, step 3)")
+    common.add_argument("--json", metavar="PATH", help="write every raw sample and the environment here")
+    common.add_argument("--plot", metavar="PATH", help="write a PNG: bandwidth vs size per method, roofline drawn")
+    parser = argparse.ArgumentParser(prog="python -m zero_lifetime.bench", description=__doc__.split("\n\n")[1])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{release,gather,bucket,step,all}")
+    for name, (module, title) in BENCHES.items():
+        sub.add_parser(name, parents=[common], help=title, description=(module.__doc__ or title).strip())
+    sub.add_parser("all", parents=[common], help="every benchmark, sizes sweeping many small -> few large")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _cases(name: str, args) -> int:
+    module = BENCHES[name][0]
+    return module.cases(args.quick, args.ranks) if name == "gather" else module.cases(args.quick)
+
+
+def run(args) -> int:
+    from .env import describe, environment
+    names = list(BENCHES) if args.command == "all" else [args.command]
+    env = environment(args.device, args.ranks)
+    print(describe(env))
+    if args.ranks > 1 and any(n != "gather" for n in names):
+        print(f"# --ranks {args.ranks} applies to `gather`; the other benchmarks run on 1 rank", file=sys.stderr)
+    progress = Progress(sum(_cases(n, args) for n in names))
+    all_results, all_targets = [], []
+    for name in names:
+        module, title = BENCHES[name]
+        repeats = args.repeats or DEFAULT_REPEATS[name][0 if args.quick else 1]
+        if name == "gather":
+            results = module.run(args.device, repeats, args.quick, args.ranks, progress=progress)
+        else:
+            results = module.run(args.device, repeats, args.quick, progress=progress)
+        targets = module.targets(results, args.device)
+        print_results(f"{title}, median of {repeats} interleaved rounds", results)
+        print_targets(targets)
+        all_results += results
+        all_targets += targets
+    if args.json:
+        write_json(args.json, env, all_results, all_targets)
+        print(f"\nraw samples and environment: {args.json}")
+    if args.plot:
+        if write_plot(args.plot, all_results, env):
+            print(f"plot: {args.plot}")
+        else:
+            print(f"plot: nothing to plot for `{args.command}` (bandwidth plots come from gather and bucket)")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            parser.exit(2, f"{parser.prog} {args.command}: error: --device cuda needs a CUDA GPU, and this "
+                           f"torch ({torch.__version__}) sees none; run with --device cpu\n")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.exit(2, f"{parser.prog}: error: --plot needs matplotlib (pip install matplotlib, or "
+                           "bash scripts/setup_env.sh)\n")
+    return run(args)
+
+
+def summary_lines(results: List[dict]) -> List[str]:
+    """One line per case, for the demo: ours vs stock and vs the roofline."""
+    from .report import summarize
+    lines = []
+    for result in results:
+        rows = {row["method"]: row for row in summarize(result)}
+        ours = rows.get(result.get("ours"))
+        if ours is None:
+            continue
+        text = f"{result['case']}: {ours['vs_stock']:.2f}x stock time"
+        if ours["vs_roofline"] is not None:
+            text += f", {ours['vs_roofline']:.2f}x roofline"
+        lines.append(text)
+    return lines

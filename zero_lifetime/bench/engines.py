@@ -1,0 +1,69 @@
+"""DeepSpeed engines and models for the benchmarks (DeepSpeed imported only when a bench needs it)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+
+
+def prepare_process(device: str) -> None:
+    """Environment for a one-rank run on ``device``; must run before deepspeed is imported."""
+    from ..single_rank import single_rank_env
+    os.environ["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
+    single_rank_env()
+
+
+def quiet_deepspeed() -> None:
+    import deepspeed  # noqa: F401  (its import sets the logger's level; lower it afterwards)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+class ParamBlock(torch.nn.Module):
+    """One module owning ``n`` params of ``numel`` elements: what ZeRO-3 fetches and releases as a unit."""
+
+    def __init__(self, n: int, numel: int):
+        super().__init__()
+        for i in range(n):
+            self.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(numel) * 0.01))
+
+    def forward(self, x):
+        return sum(x * p.sum() for p in self.parameters())
+
+
+class TinyTransformer(torch.nn.Module):
+
+    def __init__(self, layers: int, width: int, vocab: int = 512):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, batch_first=True,
+                                                 dropout=0.0)
+        self.blocks = torch.nn.ModuleList(copy.deepcopy(layer) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def make_engine(model: torch.nn.Module, stage: int = 3, **zero):
+    """A fresh engine on a copy of ``model``: stock and installed engines start from the same weights."""
+    import deepspeed
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage,
+                              **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}), **zero},
+    }
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
+    return engine
+
+
+def coordinator(engine):
+    return engine.optimizer.parameter_offload.get_param_coordinator()

@@ -1,0 +1,134 @@
+"""`gather --ranks N`: DeepSpeed's real coalesced all-gather of a ZeRO-3 module, N processes.
+
+The launcher spawns N copies of this module (``--worker``), one rank each (gloo on the
+CPU, NCCL on GPUs). Each rank builds a stock and an installed ZeRO-3 engine over the same
+:class:`ParamBlock` and times, interleaved: the stock ``all_gather_coalesced(...).wait()``
+(one ``torch.cat`` per param), the installed one (one ``gather_copy_out`` into one
+buffer), and the roofline (one ``all_gather_into_tensor`` of the same bytes plus one
+contiguous copy). Rank 0 writes the samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import List
+
+from . import sizes
+from .report import Progress, Result
+
+STOCK = "stock all_gather_coalesced + per-param cat"
+FUSED = "installed: fused copy-out wait"
+ROOFLINE = "roofline all_gather_into_tensor + one copy"
+WORKER_TIMEOUT_S = 300
+
+
+def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress = None) -> List[Result]:
+    from ..single_rank import free_port
+    shapes = sizes.shapes(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "spec.json")
+        out = os.path.join(tmp, "rank0.json")
+        with open(spec, "w") as f:
+            json.dump({"device": device, "repeats": repeats, "shapes": shapes}, f)
+        port = free_port()
+        procs = []
+        for rank in range(ranks):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                       LOCAL_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                       DS_ACCELERATOR="cuda" if device == "cuda" else "cpu")
+            if device != "cuda":  # the ranks share the cores: one thread each, no oversubscription
+                env["OMP_NUM_THREADS"] = "1"
+            procs.append(subprocess.Popen([sys.executable, "-m", "zero_lifetime.bench.gather_dist", "--worker",
+                                           spec, out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        logs = []
+        try:
+            for proc in procs:
+                logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            tail = "\n".join(logs[failed[0][0]].splitlines()[-15:]) if len(logs) > failed[0][0] else ""
+            raise RuntimeError(f"gather over {ranks} ranks: rank(s) {failed} failed:\n{tail}")
+        with open(out) as f:
+            results = json.load(f)
+    if progress:
+        for result in results:
+            progress.step(result["case"])
+    return results
+
+
+def _worker(spec_path: str, out_path: str) -> None:
+    from .engines import ParamBlock, make_engine, prepare_process, quiet_deepspeed
+    with open(spec_path) as f:
+        spec = json.load(f)
+    device = spec["device"]
+    prepare_process(device)
+    import torch
+    import torch.distributed as dist
+
+    import zero_lifetime
+    from .timing import interleave
+
+    quiet_deepspeed()
+    results = []
+    for n, numel in spec["shapes"]:
+        torch.manual_seed(0)
+        block = ParamBlock(n, numel)
+        stock = make_engine(block)
+        installed = make_engine(block)
+        zero_lifetime.install(installed)
+        stock_params, our_params = list(stock.module.parameters()), list(installed.module.parameters())
+        world = dist.get_world_size()
+        shard = stock_params[0].ds_tensor.numel()
+        dev = stock_params[0].ds_tensor.device
+        flat_shard = torch.randn(n * shard, device=dev)
+        gathered = torch.empty(world * n * shard, device=dev)
+        whole = torch.empty(n * numel, device=dev)
+
+        def release(params):
+            for p in params:
+                if p.ds_status.name == "AVAILABLE":
+                    p.partition()
+
+        def roofline():
+            dist.all_gather_into_tensor(gathered, flat_shard)
+            whole.copy_(gathered.narrow(0, 0, whole.numel()))
+
+        methods = {
+            STOCK: lambda: stock_params[0].all_gather_coalesced(stock_params).wait(),
+            FUSED: lambda: our_params[0].all_gather_coalesced(our_params).wait(),
+            ROOFLINE: roofline,
+        }
+        setup = {STOCK: lambda: release(stock_params), FUSED: lambda: release(our_params)}
+        samples = interleave(methods, device, spec["repeats"], setup=setup)
+        release(stock_params)
+        release(our_params)
+        fused = zero_lifetime.stats(installed)["fused_gathers"]
+        results.append({
+            "bench": "gather", "case": f"all-gather + copy-out {n} x {numel} float32, {world} ranks",
+            "series": f"all-gather + copy-out, {world} ranks", "x": numel * 4, "n": n, "numel": numel,
+            "ranks": world, "bytes": 2 * n * numel * 4, "samples": samples, "stock": STOCK, "ours": FUSED,
+            "roofline": ROOFLINE, "per": n, "per_label": "per tensor",
+            "notes": [f"installed engine ran {fused} fused gathers"]})
+        zero_lifetime.uninstall(installed)
+        for engine in (stock, installed):
+            engine.destroy()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
+    _worker(*parser.parse_args().worker)

@@ -1,0 +1,155 @@
+"""`step`: a training step of a small transformer, stock vs ``zero_lifetime.install``.
+
+* ZeRO-3 and ZeRO-2, single backward: the same weights in a stock and an installed
+  engine, steps interleaved; the ratio is install's overhead.
+* ZeRO-3, retained two-backward step (``backward(retain_graph=True)`` then ``backward``)
+  under ``regather`` and ``pin``, next to a stock single-backward step (stock cannot run
+  the retained one): time, and peak gathered bytes (non-persistent params AVAILABLE,
+  sampled at every module forward and every gradient accumulation) with eager release
+  (``stage3_max_reuse_distance=0``, no prefetch) so that stock frees module by module.
+
+(``benchmarks/bench_step_overhead.py`` is the earlier stand-alone version of this.)
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import List
+
+from .report import Progress, Result
+
+STOCK, INSTALLED = "stock", "installed"
+STOCK_SINGLE = "stock, single backward"
+EAGER = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+FULL_MODEL = {"layers": 4, "width": 256, "seq": 64}
+QUICK_MODEL = {"layers": 1, "width": 32, "seq": 8}
+WARMUP_STEPS = 3  # trace recording and the first gathers
+
+
+class PeakGathered:
+    """Peak bytes of gathered non-persistent params, sampled at module forwards and grad accumulations."""
+
+    def __init__(self, engine):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        self._available, self._params, self.peak = ZeroParamStatus.AVAILABLE, list(engine.module.parameters()), 0
+        for module in engine.module.modules():
+            module.register_forward_hook(lambda *a: self.sample())
+        for param in self._params:
+            param.register_post_accumulate_grad_hook(lambda p: self.sample())
+
+    def sample(self):
+        gathered = sum(p.ds_numel * p.element_size() for p in self._params
+                       if p.ds_status == self._available and not p.ds_persist)
+        self.peak = max(self.peak, gathered)
+
+
+def single_backward_step(engine, tokens):
+    logits = engine(tokens)
+    engine.backward(logits.float().pow(2).mean())
+    engine.step()
+
+
+def retained_step(engine, tokens):
+    logits = engine(tokens)
+    engine.backward(logits.pow(2).mean(), retain_graph=True)
+    engine.backward(logits.mean())
+    engine.step()
+
+
+def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> List[Result]:
+    from .engines import TinyTransformer, make_engine, prepare_process, quiet_deepspeed
+    prepare_process(device)
+    import torch
+
+    import zero_lifetime
+    from .timing import interleave
+
+    quiet_deepspeed()
+    shape = QUICK_MODEL if quick else FULL_MODEL
+    threads = torch.get_num_threads()
+    if quick:  # tiny matmuls: a second thread only adds OpenMP barrier waits on busy shared cores
+        torch.set_num_threads(1)
+    try:
+        return _run(device, repeats, shape, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Result]:
+    import torch
+
+    import zero_lifetime
+    from .engines import TinyTransformer, make_engine
+    from .timing import interleave
+
+    torch.manual_seed(0)
+    model = TinyTransformer(shape["layers"], shape["width"])
+    n_params = sum(p.numel() for p in model.parameters())
+    model_name = f"{shape['layers']}-layer transformer, width {shape['width']}, {n_params / 1e6:.2f}M params"
+    results = []
+
+    def tokens_for(engine):
+        return torch.randint(0, 512, (8, shape["seq"]), device=engine.device)
+
+    for stage in (3, 2):
+        stock, installed = make_engine(model, stage), make_engine(model, stage)
+        zero_lifetime.install(installed)
+        tokens = tokens_for(stock)
+        methods = {STOCK: lambda: single_backward_step(stock, tokens),
+                   INSTALLED: lambda: single_backward_step(installed, tokens)}
+        samples = interleave(methods, device, repeats, warmup=WARMUP_STEPS)
+        results.append({"bench": "step", "case": f"ZeRO-{stage} single-backward step, {model_name}",
+                        "stage": stage, "bytes": None, "samples": samples, "stock": STOCK, "ours": INSTALLED,
+                        "roofline": None, "per": None, "per_label": "per item"})
+        for engine in (stock, installed):
+            engine.destroy()
+        if progress:
+            progress.step(f"step ZeRO-{stage}")
+
+    engines = {STOCK_SINGLE: make_engine(model, 3, **EAGER)}
+    for policy in ("regather", "pin"):
+        engines[f"{policy}, retained two backwards"] = engine = make_engine(model, 3, **EAGER)
+        zero_lifetime.install(engine, policy=policy)
+    tokens = tokens_for(engines[STOCK_SINGLE])
+    for engine in engines.values():  # same warm-up for all: a recorded trace before the probes
+        for _ in range(WARMUP_STEPS):
+            single_backward_step(engine, tokens)
+    probes = {name: PeakGathered(engine) for name, engine in engines.items()}
+    methods = {name: (lambda e=engine, f=single_backward_step if name == STOCK_SINGLE else retained_step:
+                      f(e, tokens)) for name, engine in engines.items()}
+    samples = interleave(methods, device, repeats, warmup=0)
+    peaks = {name: probe.peak for name, probe in probes.items()}
+    base = peaks[STOCK_SINGLE] or 1
+    notes = [f"peak gathered {name}: {peak / 2**20:.2f} MiB ({100 * (peak / base - 1):+.1f}% vs stock single)"
+             for name, peak in peaks.items()]
+    results.append({"bench": "step", "case": f"ZeRO-3 retained two-backward step (eager release), {model_name}",
+                    "stage": 3, "bytes": None, "samples": samples, "stock": STOCK_SINGLE, "ours": None,
+                    "roofline": None, "per": None, "per_label": "per item", "peak_gathered_bytes": peaks,
+                    "notes": notes})
+    for engine in engines.values():
+        engine.destroy()
+    if progress:
+        progress.step("step retained")
+    return results
+
+
+def cases(quick: bool) -> int:
+    return 3
+
+
+def targets(results: List[Result], device: str):
+    from .targets import RETAINED_PEAK_OVER_STOCK, STEP_OVERHEAD
+    limit = STEP_OVERHEAD["cuda" if device == "cuda" else "cpu"]
+    out = []
+    for r in results:
+        if "single-backward" in r["case"]:
+            overhead = statistics.median(r["samples"][INSTALLED]) / statistics.median(r["samples"][STOCK]) - 1
+            out.append((f"install overhead on a ZeRO-{r['stage']} step under {limit:.0%} ({device})",
+                        f"{overhead:+.2%}", overhead < limit))
+        peaks = r.get("peak_gathered_bytes")
+        if peaks:
+            regather = peaks["regather, retained two backwards"] / max(peaks[STOCK_SINGLE], 1) - 1
+            out.append((f"regather peak gathered bytes (retained two backwards) <= "
+                        f"{RETAINED_PEAK_OVER_STOCK:.0%} above a stock single backward",
+                        f"{regather:+.1%}", regather <= RETAINED_PEAK_OVER_STOCK))
+    return out
