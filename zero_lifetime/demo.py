@@ -4,7 +4,9 @@
 
 Builds two identical ZeRO-3 engines (1 rank, gloo), runs a two-loss retained
 backward on each: stock DeepSpeed fails on the second backward, the installed one
-passes and its weights equal plain torch's. Prints stats() along the way.
+passes and its weights equal plain torch's. Prints stats() along the way, and ends
+with a short ``python -m zero_lifetime.bench all --quick`` summary (stock vs installed,
+side by side; the full tables come from that command).
 """
 
 import copy
@@ -76,8 +78,27 @@ def main() -> int:
                 for p, q in zip(engine.module.parameters(), reference.parameters()))
     print(f"   max |weight - plain torch weight| after the step: {worst:.2e}")
     ok = stock_failed and worst < 1e-5 and stats["pinned_params"] == 0 and stats["live_handles"] == 0
+    bench_summary()
     print("DEMO PASSED" if ok else "DEMO FAILED")
     return 0 if ok else 1
+
+
+def bench_summary() -> None:
+    """`bench all --quick` in a few lines: tiny sizes, so ratios are indicative only."""
+    import io
+    from contextlib import redirect_stdout
+
+    from .bench import cli
+
+    print("== python -m zero_lifetime.bench all --quick (tiny sizes, 1 rank; ratios are time / stock time;")
+    print("   too small and few rounds to judge the targets: full-size figures in docs/benchmarks.md)")
+    tables = io.StringIO()
+    with redirect_stdout(tables):  # the full tables are the CLI's job; keep the demo short
+        results, targets = cli.collect(cli.build_parser().parse_args(["all", "--quick"]))
+    for line in cli.summary_lines(results):
+        print(f"   {line}")
+    for target, measured, met in targets:
+        print(f"   [{'met' if met else 'n/a' if met is None else 'MISSED'}] {target}: {measured}")
 
 
 if __name__ == "__main__":

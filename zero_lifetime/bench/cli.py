@@ -53,9 +53,25 @@ def _cases(name: str, args) -> int:
 
 
 def run(args) -> int:
-    from .env import describe, environment
-    names = list(BENCHES) if args.command == "all" else [args.command]
+    from .env import environment
     env = environment(args.device, args.ranks)
+    all_results, all_targets = collect(args, env)
+    if args.json:
+        write_json(args.json, env, all_results, all_targets)
+        print(f"\nraw samples and environment: {args.json}")
+    if args.plot:
+        if write_plot(args.plot, all_results, env):
+            print(f"plot: {args.plot}")
+        else:
+            print(f"plot: nothing to plot for `{args.command}` (bandwidth plots come from gather and bucket)")
+    return 0
+
+
+def collect(args, env=None):
+    """Run the chosen benchmarks, printing each table as it completes; (results, targets)."""
+    from .env import describe, environment
+    env = env or environment(args.device, args.ranks)
+    names = list(BENCHES) if args.command == "all" else [args.command]
     print(describe(env))
     if args.ranks > 1 and any(n != "gather" for n in names):
         print(f"# --ranks {args.ranks} applies to `gather`; the other benchmarks run on 1 rank", file=sys.stderr)
@@ -73,15 +89,7 @@ def run(args) -> int:
         print_targets(targets)
         all_results += results
         all_targets += targets
-    if args.json:
-        write_json(args.json, env, all_results, all_targets)
-        print(f"\nraw samples and environment: {args.json}")
-    if args.plot:
-        if write_plot(args.plot, all_results, env):
-            print(f"plot: {args.plot}")
-        else:
-            print(f"plot: nothing to plot for `{args.command}` (bandwidth plots come from gather and bucket)")
-    return 0
+    return all_results, all_targets
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
