@@ -12,7 +12,6 @@ With --stage 2 only the step time is compared (the gathered-bytes part is ZeRO-3
 """
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -27,36 +26,9 @@ import torch  # noqa: E402
 import deepspeed  # noqa: E402
 import zero_lifetime  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
-
-
-class TinyTransformer(torch.nn.Module):
-
-    def __init__(self, layers, width, vocab=512):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, width)
-        layer = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, batch_first=True,
-                                                 dropout=0.0)
-        self.blocks = torch.nn.ModuleList(copy.deepcopy(layer) for _ in range(layers))
-        self.head = torch.nn.Linear(width, vocab)
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def make_engine(model, stage=3, **zero):
-    cfg = {
-        "train_micro_batch_size_per_gpu": 8,
-        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
-                              **zero},
-    }
-    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
-    return engine
+# The model, engines and steps of `python -m zero_lifetime.bench step`, so both measure the same thing.
+from zero_lifetime.bench.engines import TinyTransformer, make_engine  # noqa: E402
+from zero_lifetime.bench.step import retained_step, single_backward_step  # noqa: E402
 
 
 def gathered_bytes(engine):
@@ -79,19 +51,6 @@ class PeakGathered:
 
     def reset(self):
         self.peak = 0
-
-
-def single_backward_step(engine, tokens):
-    logits = engine(tokens)
-    engine.backward(logits.float().pow(2).mean())
-    engine.step()
-
-
-def retained_step(engine, tokens):
-    logits = engine(tokens)
-    engine.backward(logits.pow(2).mean(), retain_graph=True)
-    engine.backward(logits.mean())
-    engine.step()
 
 
 def timed(fn, *args):

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 from .. import ops
+from .env import device_name
 
 BUCKET_SHAPES = [(2000, 4096), (200, 65536), (16, 1 << 20)]  # (tensors, elements each)
 GATHER_WORLD_SIZES = (2, 4)
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", help="also write rows and raw samples to this file")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 15)
-    print(f"# device {args.device} ({_device_name(args.device)}), torch {torch.__version__}, "
+    print(f"# device {args.device} ({device_name(args.device)}), torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, fused ops "
           f"{'compiled' if ops.native_available() else 'pure-torch reference'}, {repeats} rounds")
     results = run_all(args.device, repeats, args.quick)
@@ -164,16 +165,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             json.dump({"device": args.device, "torch": torch.__version__, "repeats": repeats,
                        "rows": [r for res in results for r in summarize(res)],
                        "samples": results}, f, indent=1)
-
-
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "cpu"
 
 
 if __name__ == "__main__":
