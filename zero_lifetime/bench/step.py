@@ -43,6 +43,17 @@ class PeakGathered:
         self.peak = max(self.peak, gathered)
 
 
+def peak_device_bytes(step) -> int:
+    """Peak CUDA memory allocated during ``step`` above what was allocated before it."""
+    import torch
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def single_backward_step(engine, tokens):
     logits = engine(tokens)
     engine.backward(logits.float().pow(2).mean())
@@ -122,10 +133,16 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
     base = peaks[STOCK_SINGLE] or 1
     notes = [f"peak gathered {name}: {peak / 2**20:.2f} MiB ({100 * (peak / base - 1):+.1f}% vs stock single)"
              for name, peak in peaks.items()]
+    device_peaks = None
+    if device == "cuda":  # one more step each, alone, so the allocator's peak is that step's
+        device_peaks = {name: peak_device_bytes(methods[name]) for name in engines}
+        base = device_peaks[STOCK_SINGLE] or 1
+        notes += [f"peak device memory {name}: {peak / 2**20:.2f} MiB ({100 * (peak / base - 1):+.1f}% vs stock "
+                  f"single)" for name, peak in device_peaks.items()]
     results.append({"bench": "step", "case": f"ZeRO-3 retained two-backward step (eager release), {model_name}",
                     "stage": 3, "bytes": None, "samples": samples, "stock": STOCK_SINGLE, "ours": None,
                     "roofline": None, "per": None, "per_label": "per item", "peak_gathered_bytes": peaks,
-                    "notes": notes})
+                    "peak_device_bytes": device_peaks, "notes": notes})
     for engine in engines.values():
         engine.destroy()
     if progress:

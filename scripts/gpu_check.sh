@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU validation, for a machine with an NVIDIA GPU and a CUDA torch (not part of CI,
+# which has no GPU). Phases, in the order given on the command line:
+#   setup     install carried wheels (./.whl, if any: DeepSpeed and its pure-Python deps),
+#             build zero_lifetime._C with the CUDA kernels in place
+#   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
+#   sanitize  the CUDA kernels under compute-sanitizer memcheck and racecheck
+#   bench     python -m zero_lifetime.bench all --device cuda, and the kernel bench
+# Logs, JSON and plots go to $OUT (default ./gpu-out).
+# Example: bash scripts/gpu_check.sh setup tests sanitize bench
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # the lent machines are Hopper; one arch builds fastest
+[ -d /tmp/zl-site ] && export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH}
+status=0
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember a failure, go on with the next phase
+  local name=$1; shift
+  echo "== $name: $*"
+  local start=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc in $((SECONDS - start)) s"; tail -n 25 "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+
+for phase in "$@"; do
+  case $phase in
+    setup)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zl-site .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      run build python3 setup.py build_ext --inplace
+      run env_report python3 -m zero_lifetime.env_report
+      ;;
+    tests)
+      run pytest python3 -m pytest tests -q -p no:cacheprovider -rs -s --durations=15
+      ;;
+    sanitize)
+      # No caching allocator: every tensor is its own allocation, so memcheck sees an
+      # overrun past a tensor's end instead of into a neighbour inside a cached block.
+      for tool in memcheck racecheck; do
+        run "sanitize_$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=150 compute-sanitizer \
+          --tool "$tool" --error-exitcode 99 python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py \
+          -k cuda -q -p no:cacheprovider
+      done
+      ;;
+    bench)
+      run bench python3 -m zero_lifetime.bench all --device cuda --repeats 15 --json "$OUT/bench_cuda.json" \
+        --plot "$OUT/bench_cuda.png"
+      run bench_kernels python3 -m zero_lifetime.bench.kernels --device cuda --json "$OUT/kernels_cuda.json"
+      ;;
+    *) echo "unknown phase: $phase (setup, tests, sanitize, bench)"; exit 2 ;;
+  esac
+done
+exit $status
