@@ -44,7 +44,11 @@ FORCE_PYTHON_ENV = "ZERO_LIFETIME_FORCE_PYTHON"
 # the pragma is dropped and the CPU kernels run on one thread (measured: no speed-up
 # from 1 to 2 threads, while torch's own copy_ scaled).
 extra_cflags: List[str] = ["-O3", "-fopenmp"]
-extra_ldflags: List[str] = ["-fopenmp"]
+# -l:libstdc++.so.6: link the C++ runtime torch itself uses, by name. Some toolchains
+# find only libstdc++.a first (seen: a gcc wrapper whose -B directory has no .so) and
+# link a private copy into the extension; its iostreams then share locale state with the
+# process's libstdc++ and crash formatting any error message with a number in it.
+extra_ldflags: List[str] = ["-fopenmp", "-l:libstdc++.so.6"]
 
 
 def _find_csrc() -> Optional[Path]:
