@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_lifetime.bench import cli
+from zero_lifetime.bench import cli, ds_paths, sizes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,6 +29,20 @@ def load(path):
         assert key in env, key
     assert env["device"] == "cpu"
     return payload
+
+
+DS_PATH_METHODS = {"bucket": {ds_paths.BUCKET_STOCK, ds_paths.BUCKET_OURS, ds_paths.ROOFLINE},
+                   "gather": {ds_paths.GATHER_STOCK, ds_paths.GATHER_OURS, ds_paths.ROOFLINE}}
+
+
+def assert_deepspeed_path_rows(payload, command):
+    """One DeepSpeed-path case per quick shape: DeepSpeed's own method vs ours, positive samples, a speedup note."""
+    cases = [r for r in payload["results"] if r.get("path") == "deepspeed"]
+    assert [(r["n"], r["numel"]) for r in cases] == [tuple(s) for s in sizes.QUICK]
+    for result in cases:
+        assert set(result["samples"]) == DS_PATH_METHODS[command]
+        assert all(s and all(t > 0 for t in s) for s in result["samples"].values()), result["case"]
+        assert any(note.startswith("DeepSpeed-path speedup (stock / ours): ") for note in result["notes"])
 
 
 @pytest.mark.parametrize("command, extra, methods", [
@@ -52,6 +66,7 @@ def test_deepspeed_subcommands_run_and_record_samples(tmp_path, command, extra, 
         assert len(result["summary"]) == len(result["samples"])
     assert methods <= seen, seen
     if command == "gather":  # the 2-rank all-gather ran, and its installed engine took the fused path
+        assert_deepspeed_path_rows(payload, "gather")
         two_ranks = [r for r in payload["results"] if r.get("ranks") == 2]
         assert two_ranks and all("installed: fused copy-out wait" in r["samples"] for r in two_ranks)
     if command == "step":
@@ -65,16 +80,19 @@ def test_bucket_in_process_json_plot_and_targets(tmp_path, capsys):
     assert cli.main(["bucket", "--quick", "--repeats", "2", "--json", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr()
     assert "within 1.2x of the roofline (CPU)" in printed.out
-    assert "] 4/4 " in printed.err  # the progress bar went to stderr
+    assert "] 6/6 " in printed.err  # the progress bar went to stderr
+    assert "DeepSpeed-path speedup (stock / ours): " in printed.out
     payload = load(out)
     assert {r["bench"] for r in payload["results"]} == {"bucket"}
     assert all(len(s) == 2 for r in payload["results"] for s in r["samples"].values())
+    assert_deepspeed_path_rows(payload, "bucket")
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_gather_one_rank_in_process(tmp_path):
-    png = tmp_path / "gather.png"
-    assert cli.main(["gather", "--quick", "--repeats", "2", "--plot", str(png)]) == 0
+    out, png = tmp_path / "gather.json", tmp_path / "gather.png"
+    assert cli.main(["gather", "--quick", "--repeats", "2", "--json", str(out), "--plot", str(png)]) == 0
+    assert_deepspeed_path_rows(load(out), "gather")
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 

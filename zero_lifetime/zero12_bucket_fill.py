@@ -130,12 +130,16 @@ class Zero12BucketFill:
         self.prescaled_fills += scale != 1.0
         self.fused_grads += len(pending.grads)
 
+    def flush_pending(self) -> None:
+        """Copy every reserved gradient into its bucket now (what runs before a bucket is read)."""
+        for dtype in list(self._pending):
+            self._flush(dtype)
+
     def discard(self) -> None:
         """A backward died: its reserved slices are stale (the buckets are reset too)."""
         self._pending.clear()
 
     def restore(self) -> None:
-        for dtype in list(self._pending):
-            self._flush(dtype)
+        self.flush_pending()
         self.optimizer.__dict__.pop("reduce_independent_p_g_buckets_and_remove_grads", None)
         self.optimizer.__dict__.pop("reduce_ipg_grads", None)

@@ -154,6 +154,11 @@ class Zero3FusedCopies:
 
         return wait
 
+    def wait(self, handle, handle_dependency: bool = True) -> None:
+        """Wait one ``AllGatherCoalescedHandle`` as installed gathers do: one fused copy-out
+        where it applies, else the stock wait."""
+        self._wait(handle, handle_dependency)
+
     def _wait(self, handle, handle_dependency: bool) -> None:
         if handle.complete:
             return

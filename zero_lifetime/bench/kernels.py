@@ -21,6 +21,8 @@ import torch
 from .. import ops
 from .env import device_name
 
+BUCKET_LOOP = "per-param narrow.copy_ (kernel-level, DeepSpeed's copy pattern)"
+GATHER_LOOP = "per-param torch.cat (kernel-level, DeepSpeed's copy pattern)"
 BUCKET_SHAPES = [(2000, 4096), (200, 65536), (16, 1 << 20)]  # (tensors, elements each)
 GATHER_WORLD_SIZES = (2, 4)
 
@@ -67,7 +69,7 @@ def bucket_fill_samples(n_tensors: int, numel: int, src_dtype: torch.dtype = tor
 
     methods = {
         "fused bucket_fill": lambda: ops.bucket_fill(buffer, grads, offsets),
-        "per-param narrow.copy_": deepspeed_loop,
+        BUCKET_LOOP: deepspeed_loop,
         "_foreach_copy_ (views prebuilt)": lambda: torch._foreach_copy_(views, grads),
         "torch.cat(out=)": lambda: torch.cat(grads, out=buffer),
         "roofline dst.copy_(src)": lambda: buffer.copy_(flat_src),
@@ -101,7 +103,7 @@ def gather_copy_out_samples(n_params: int, numel: int, world_size: int,
     methods = {
         "fused gather_copy_out": lambda: ops.gather_copy_out(
             gathered, out, shard_numels, numels, world_size),
-        "per-param torch.cat (DeepSpeed)": deepspeed_cat,
+        GATHER_LOOP: deepspeed_cat,
         "split_with_sizes_copy": lambda: torch.split_with_sizes_copy(
             ranks_view, shard_numels, dim=1, out=out_views),
         "roofline dst.copy_(src)": lambda: out.copy_(roof_src),
