@@ -42,7 +42,9 @@ def main(argv=None) -> None:
         single_rank_env()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    # The backend follows DeepSpeed's accelerator (nccl on CUDA, gloo on the CPU one), not
+    # torch.cuda.is_available(): DS_ACCELERATOR=cpu on a GPU machine must still use gloo.
+    deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
 
     torch.manual_seed(0)  # same initial weights on every rank
