@@ -1,8 +1,40 @@
+import glob
 import os
 import sys
 
-from zero_lifetime.single_rank import single_rank_env
+import zero_lifetime.single_rank as single_rank
+
+# Every port handed out in this process (the test modules import free_port after this
+# file runs, so they get the recording one): see pytest_sessionfinish.
+_PORTS = set()
+_free_port = single_rank.free_port
+
+
+def _recording_free_port() -> str:
+    port = _free_port()
+    _PORTS.add(port)
+    return port
+
+
+single_rank.free_port = _recording_free_port
 
 # DeepSpeed on the CPU: gloo collectives, one process is rank 0 of 1 unless a test spawns more.
-single_rank_env()
+single_rank.single_rank_env()
+_PORTS.add(os.environ["MASTER_PORT"])
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the shared-memory buffers DeepSpeed's CPU communication left for our ports.
+
+    DeepSpeed 0.19.8 creates /dev/shm/deepspeed_allreduce_buffer_<rank>_<addr>_<port>_<n>
+    (66 MB each) per rank and process group and never unlinks them (csrc/cpu/comm/shm.cpp
+    defines shared_close but nothing calls it): a suite run leaves gigabytes of RAM behind.
+    Only files named with a port of this session go: concurrent runs keep theirs.
+    """
+    for port in _PORTS:
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
