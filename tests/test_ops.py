@@ -45,18 +45,68 @@ def impl(request):
     return ops_reference.bucket_fill, ops_reference.gather_copy_out
 
 
-def test_cpu_fast_path_applies_only_to_plain_cpu_tensors():
-    _native_ops("cpu")
-    fast = _native.load().bucket_fill_cpu_fast
-    buffer = torch.zeros(8)
+@pytest.fixture(params=["dispatcher", "direct"])
+def route(request):
+    """How a device test calls the compiled ops: through torch.ops (the dispatcher), or
+    through the public API, which takes the direct entries of fast_path.cpp on CPU and CUDA."""
+    return request.param
+
+
+def _ops_by_route(device, route):
+    native = _native_ops(device)
+    return native if route == "dispatcher" else (ops.bucket_fill, ops.gather_copy_out)
+
+
+class RecordingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_entries_apply_only_to_plain_tensors(device):
+    _native_ops(device)
+    module = _native.load()
+    fill, gather = module.bucket_fill_fast, module.gather_copy_out_fast
+    buffer = torch.zeros(8, device=device)
     version = buffer._version
-    assert fast(buffer, [torch.ones(2), torch.full((3,), 2.0)], [0, 4], 0.5) is True
-    assert_same(buffer, torch.tensor([0.5, 0.5, 0, 0, 1, 1, 1, 0]))
+    ones, twos = torch.ones(2, device=device), torch.full((3,), 2.0, device=device)
+    assert fill(buffer, [ones, twos], [0, 4], 0.5) is True
+    written = torch.tensor([0.5, 0.5, 0, 0, 1, 1, 1, 0])
+    assert_same(buffer.cpu(), written)
     assert buffer._version > version  # as the dispatcher's in-place handling does
-    assert fast(buffer, [torch.ones(2, requires_grad=True)], [0], 1.0) is False  # autograd
-    assert fast(torch.zeros(8, device="meta"), [torch.ones(2, device="meta")], [0], 1.0) is False
-    assert fast(buffer, [torch.nn.Parameter(torch.ones(2))], [0], 1.0) is False  # a subclass
-    assert_same(buffer, torch.tensor([0.5, 0.5, 0, 0, 1, 1, 1, 0]))  # the refusals wrote nothing
+    out = torch.zeros(4, device=device)
+    version = out._version
+    assert gather(torch.arange(4.0, device=device), out, [2], [4], 2) is True
+    assert_same(out.cpu(), torch.arange(4.0))
+    assert out._version > version
+    # Refusals: the dispatcher must run for these, and nothing may be written.
+    assert fill(buffer, [torch.ones(2, device=device, requires_grad=True)], [0], 1.0) is False
+    assert fill(torch.zeros(8, device="meta"), [torch.ones(2, device="meta")], [0], 1.0) is False
+    assert fill(buffer, [torch.nn.Parameter(torch.ones(2, device=device))], [0], 1.0) is False
+    assert gather(torch.zeros(4, device="meta"), torch.zeros(4, device="meta"), [2], [4], 2) is False
+    with RecordingDispatchMode() as mode:
+        assert fill(buffer, [torch.full((2,), 9.0, device=device)], [0], 1.0) is False
+        assert gather(torch.zeros(4, device=device), out, [2], [4], 2) is False
+        # The public API then goes through the dispatcher, where the mode sees the op.
+        ops.bucket_fill(buffer, [torch.full((2,), 5.0, device=device)], [2], 1.0)
+    assert any("zero_lifetime.bucket_fill" in name for name in mode.seen), mode.seen
+    with PassThroughFunctionMode():
+        assert fill(buffer, [torch.full((2,), 9.0, device=device)], [0], 1.0) is False
+    assert_same(buffer.cpu(), torch.tensor([0.5, 0.5, 5, 5, 1, 1, 1, 0]))
+    assert_same(out.cpu(), torch.arange(4.0))
+    # Errors from the direct entry are the ops' own, as RuntimeError.
+    with pytest.raises(RuntimeError, match="destination ranges overlap"):
+        fill(buffer, [ones, twos], [0, 1], 1.0)
 
 
 def expected_bucket(tensors, offsets, numel, dtype, scale):
@@ -92,8 +142,8 @@ def assert_same(actual, expected):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dst_dtype", DTYPES, ids=str)
-def test_bucket_fill_dtype_pairs_and_sizes(device, src_dtype, dst_dtype):
-    bucket_fill, _ = _native_ops(device)
+def test_bucket_fill_dtype_pairs_and_sizes(device, src_dtype, dst_dtype, route):
+    bucket_fill, _ = _ops_by_route(device, route)
     torch.manual_seed(0)
     tensors = [torch.randn(n, device=device).to(src_dtype) for n in SIZES]
     offsets, numel = layout(SIZES)
@@ -108,9 +158,9 @@ def test_bucket_fill_dtype_pairs_and_sizes(device, src_dtype, dst_dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dst_dtype", DTYPES, ids=str)
-def test_bucket_fill_mixed_source_dtypes_many_tensors(device, dst_dtype):
+def test_bucket_fill_mixed_source_dtypes_many_tensors(device, dst_dtype, route):
     """3000 tensors of mixed dtypes and odd sizes: more than one launch's argument space."""
-    bucket_fill, _ = _native_ops(device)
+    bucket_fill, _ = _ops_by_route(device, route)
     rng = random.Random(1)
     sizes = [rng.choice([0, 1, 3, 8, 17, 64, 1000, 4099]) for _ in range(3000)]
     torch.manual_seed(1)
@@ -128,8 +178,8 @@ def test_bucket_fill_mixed_source_dtypes_many_tensors(device, dst_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bucket_fill_non_contiguous_sources(device):
-    bucket_fill, _ = _native_ops(device)
+def test_bucket_fill_non_contiguous_sources(device, route):
+    bucket_fill, _ = _ops_by_route(device, route)
     base = torch.randn(64, 48, device=device)
     tensors = [base.t(), base[::3, 1:40], base[5].view(6, 8)[:, ::2],
                torch.randn(1, device=device).expand(10), base.bfloat16().t()[3:9]]
@@ -259,8 +309,8 @@ def deepspeed_unshard(gathered, shard_numels, numels, world_size, dtype):
 @pytest.mark.parametrize("src_dtype,dst_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float32), (torch.float32, torch.bfloat16)], ids=str)
-def test_gather_copy_out(device, world_size, src_dtype, dst_dtype):
-    _, gather_copy_out = _native_ops(device)
+def test_gather_copy_out(device, world_size, src_dtype, dst_dtype, route):
+    _, gather_copy_out = _ops_by_route(device, route)
     rng = random.Random(world_size)
     numels = [rng.choice([0, 1, 5, 64, 1001, 2**18 + 3]) for _ in range(40)]
     shard_numels = [-(-n // world_size) + rng.choice([0, 0, 1]) for n in numels]  # padded
@@ -274,14 +324,39 @@ def test_gather_copy_out(device, world_size, src_dtype, dst_dtype):
     assert_same(out, reference)
 
 
-def test_gather_copy_out_many_params():
-    _, gather_copy_out = _native_ops("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_copy_out_many_params(device, route):
+    _, gather_copy_out = _ops_by_route(device, route)
     numels = [random.Random(i).randint(1, 300) for i in range(3000)]
     shard_numels = [-(-n // 2) for n in numels]
-    gathered = torch.randn(2 * sum(shard_numels))
-    out = torch.empty(sum(numels))
+    gathered = torch.randn(2 * sum(shard_numels), device=device)
+    out = torch.empty(sum(numels), device=device)
     gather_copy_out(gathered, out, shard_numels, numels, 2)
     assert_same(out, deepspeed_unshard(gathered, shard_numels, numels, 2, torch.float32))
+
+
+# CUDA launches pass up to 64 segments in the kernel's arguments and longer lists through a
+# device table; these counts sit on both sides of that limit (on CPU: the same plan, one path).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count", [1, 63, 64, 65, 200])
+def test_segment_counts_around_the_inline_limit(device, count, route):
+    bucket_fill, gather_copy_out = _ops_by_route(device, route)
+    rng = random.Random(count)
+    # Sizes around the kernels' 8192-element chunk, some odd (unaligned starts after them).
+    sizes = [rng.choice([1, 7, 4096, 8191, 8192, 8193, 3 * 8192 + 5]) for _ in range(count)]
+    tensors = [torch.randn(n, device=device).to(DTYPES[i % 2]) for i, n in enumerate(sizes)]
+    offsets, numel = layout(sizes, seed=count)
+    buffer = torch.zeros(numel, device=device)
+    bucket_fill(buffer, tensors, offsets, 0.25)
+    assert_same(buffer, expected_bucket(tensors, offsets, numel, torch.float32, 0.25))
+    # gather: count segments = params x world
+    world = 2 if count % 2 == 0 else 1
+    numels = sizes[: max(1, count // world)]
+    shard_numels = [-(-n // world) for n in numels]
+    gathered = torch.randn(world * sum(shard_numels), device=device).to(torch.bfloat16)
+    out = torch.empty(sum(numels), device=device)
+    gather_copy_out(gathered, out, shard_numels, numels, world)
+    assert_same(out, deepspeed_unshard(gathered, shard_numels, numels, world, torch.float32))
 
 
 GATHER_ERRORS = [

@@ -128,7 +128,7 @@ def test_fuzz_bucket_fill(device):
     stats = {"cases": 0, "invalid": 0, "own_slice": 0, "tensors": 0, "elements": 0}
     for case in range(CASES):
         buffer, tensors, offsets, scale, invalid, own = _bucket_case(rng, device)
-        # Alternate the dispatcher op and the public API (its CPU fast path).
+        # Alternate the dispatcher op and the public API (its direct entry on CPU and CUDA).
         fused = native_fill if case % 2 else ops.bucket_fill
         got, want = buffer.clone(), buffer.clone()
         err_got = _run(fused, got, _with_own_slice(got, tensors, offsets, own), offsets, scale)

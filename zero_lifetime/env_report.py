@@ -129,8 +129,12 @@ def _ops_lines() -> List[Tuple[str, str]]:
                 kernels.append(key)
         except RuntimeError:
             pass
-    fast = "yes" if hasattr(_native.load(), "bucket_fill_cpu_fast") else "no"
-    return [("fused ops", f"compiled kernels: {', '.join(kernels) or 'none'}; CPU fast path: {fast}")]
+    module = _native.load()
+    direct = ["CPU"] if hasattr(module, "bucket_fill_fast") else []
+    if direct and getattr(module, "cuda_kernels_compiled", lambda: False)():
+        direct.append("CUDA")
+    return [("fused ops", f"compiled kernels: {', '.join(kernels) or 'none'}; "
+                          f"direct entries: {', '.join(direct) or 'none'}")]
 
 
 def _cuda_context_line() -> Optional[Tuple[str, str]]:

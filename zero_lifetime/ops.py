@@ -26,9 +26,12 @@ _OP_NAMES = ("bucket_fill", "gather_copy_out")
 _impls: Dict[str, Tuple[Callable, Callable]] = {}
 _REFERENCE = (ops_reference.bucket_fill, ops_reference.gather_copy_out)
 _warned = False
-# The compiled module's direct CPU entry (no dispatcher round trip per tensor), once the
-# CPU implementation is resolved to the compiled ops; see csrc/ops/fast_path.cpp.
-_cpu_fast_fill = None
+# device type -> the compiled module's direct entries (bucket_fill_fast,
+# gather_copy_out_fast) for device types whose ops resolved to the compiled kernels: no
+# boxed dispatcher call per tensor, see csrc/ops/fast_path.cpp. They return False (nothing
+# done) when the dispatcher is needed, and the op runs instead.
+_fast: Dict[str, Tuple[Callable, Callable]] = {}
+_FAST_DEVICE_TYPES = ("cpu", "cuda")
 
 
 def native_available() -> bool:
@@ -66,9 +69,9 @@ def _resolve(device_type: str) -> Tuple[Callable, Callable]:
             impls = _REFERENCE
         else:
             impls = tuple(getattr(torch.ops.zero_lifetime, name).default for name in _OP_NAMES)
-            if device_type == "cpu":
-                global _cpu_fast_fill
-                _cpu_fast_fill = getattr(_native.load(), "bucket_fill_cpu_fast", None)
+            module = _native.load()
+            if device_type in _FAST_DEVICE_TYPES and hasattr(module, "bucket_fill_fast"):
+                _fast[device_type] = (module.bucket_fill_fast, module.gather_copy_out_fast)
     _impls[device_type] = impls
     return impls
 
@@ -85,8 +88,8 @@ def bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     device_type = buffer.device.type
     impls = _impls.get(device_type) or _resolve(device_type)
     tensors, offsets, scale = list(tensors), list(offsets), float(scale)
-    if (device_type == "cpu" and _cpu_fast_fill is not None and impls is not _REFERENCE
-            and not torch.compiler.is_compiling() and _cpu_fast_fill(buffer, tensors, offsets, scale)):
+    fast = _fast.get(device_type) if impls is not _REFERENCE else None
+    if fast is not None and not torch.compiler.is_compiling() and fast[0](buffer, tensors, offsets, scale):
         return
     impls[0](buffer, tensors, offsets, scale)
 
@@ -98,5 +101,11 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
     is the concatenation over ranks of its shards, truncated to ``numels[i]`` (the padding
     dropped), cast to ``out.dtype``. What DeepSpeed's ``AllGatherCoalescedHandle.wait`` does
     with one ``torch.cat`` per parameter."""
-    impls = _impls.get(gathered.device.type) or _resolve(gathered.device.type)
-    impls[1](gathered, out, list(shard_numels), list(numels), int(world_size))
+    device_type = gathered.device.type
+    impls = _impls.get(device_type) or _resolve(device_type)
+    shard_numels, numels, world_size = list(shard_numels), list(numels), int(world_size)
+    fast = _fast.get(device_type) if impls is not _REFERENCE else None
+    if (fast is not None and not torch.compiler.is_compiling()
+            and fast[1](gathered, out, shard_numels, numels, world_size)):
+        return
+    impls[1](gathered, out, shard_numels, numels, world_size)

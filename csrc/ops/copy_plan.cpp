@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 
 namespace zero_lifetime::ops {
@@ -58,6 +59,14 @@ bool aliases_own_slice(const at::Tensor& buffer, const at::Tensor& t, int64_t of
 }
 
 }  // namespace
+
+namespace {
+std::atomic<CudaPlanRunner> registered_cuda_runner{nullptr};
+}  // namespace
+
+void set_cuda_plan_runner(CudaPlanRunner runner) { registered_cuda_runner.store(runner); }
+
+CudaPlanRunner cuda_plan_runner() { return registered_cuda_runner.load(std::memory_order_acquire); }
 
 std::vector<const at::Tensor*> tensor_refs(at::TensorList tensors) {
   std::vector<const at::Tensor*> refs;

@@ -60,4 +60,11 @@ CopyPlan plan_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
 
 void run_plan_cpu(const CopyPlan& plan);
 
+// Runs a plan on the current CUDA stream of dst's device. Set by copy_plan_cuda.cu when it
+// is compiled in (a registration, not a symbol: CPU-only builds must link without it), so
+// the direct Python entries (fast_path.cpp, built by the host compiler) can reach it.
+using CudaPlanRunner = void (*)(const CopyPlan& plan, const at::Tensor& dst);
+void set_cuda_plan_runner(CudaPlanRunner runner);
+CudaPlanRunner cuda_plan_runner();  // nullptr in a build without CUDA kernels
+
 }  // namespace zero_lifetime::ops
