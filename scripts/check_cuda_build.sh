@@ -122,7 +122,7 @@ echo "check_cuda_build: compiled and linked $(read_sources sources.txt | wc -l) 
 # --- the CUDA half must really be in the module
 fail() { echo "check_cuda_build: FAILED: $1" >&2; exit 1; }
 symbols=$(nm -C "$OUT/_C.so")
-for name in bucket_fill_cuda gather_copy_out_cuda copy_plan_kernel "zero_lifetime::ops::check_bucket_fill"; do
+for name in bucket_fill_cuda gather_copy_out_cuda copy_plan_inline_kernel copy_plan_table_kernel "zero_lifetime::ops::check_bucket_fill"; do
   grep -q "$name" <<<"$symbols" || fail "symbol $name missing from the CUDA build"
 done
 grep -Eq "TORCH_LIBRARY_IMPL_(static_)?init_zero_lifetime_CUDA" <<<"$symbols" ||
