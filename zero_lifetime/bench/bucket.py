@@ -28,7 +28,7 @@ def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> Li
     from .engines import prepare_process, quiet_deepspeed
     results = []
     for src, dst in DTYPES:
-        for n, numel in sizes.shapes(quick):
+        for n, numel in sizes.kernel_shapes(quick, device):
             result = kernels.bucket_fill_samples(n, numel, src, dst, device=device, repeats=repeats)
             series = f"bucket fill {kernels._name(src)}->{kernels._name(dst)}"
             result.update(bench="bucket", series=series, x=numel * src.itemsize, n=n, numel=numel,
@@ -48,8 +48,8 @@ def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> Li
     return results
 
 
-def cases(quick: bool) -> int:
-    return (len(DTYPES) + 1) * len(sizes.shapes(quick))
+def cases(quick: bool, device: str = "cpu") -> int:
+    return len(DTYPES) * len(sizes.kernel_shapes(quick, device)) + len(sizes.shapes(quick))
 
 
 def targets(results: List[Result], device: str):

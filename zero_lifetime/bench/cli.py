@@ -49,7 +49,9 @@ def _positive_int(text: str) -> int:
 
 def _cases(name: str, args) -> int:
     module = BENCHES[name][0]
-    return module.cases(args.quick, args.ranks) if name == "gather" else module.cases(args.quick)
+    if name == "gather":
+        return module.cases(args.quick, args.ranks, args.device)
+    return module.cases(args.quick, args.device) if name == "bucket" else module.cases(args.quick)
 
 
 def run(args) -> int:

@@ -29,7 +29,7 @@ WORLD = 2
 def run(device: str, repeats: int, quick: bool, ranks: int = 1, progress: Progress = None) -> List[Result]:
     from .engines import prepare_process, quiet_deepspeed
     results = []
-    for n, numel in sizes.shapes(quick):
+    for n, numel in sizes.kernel_shapes(quick, device):
         result = kernels.gather_copy_out_samples(n, numel, WORLD, device=device, repeats=repeats)
         result.update(bench="gather", series=f"gather copy-out (world {WORLD} layout, 1 process)",
                       x=numel * 4, n=n, numel=numel, stock=STOCK, ours=FUSED, roofline=ROOFLINE,
@@ -53,8 +53,8 @@ def run(device: str, repeats: int, quick: bool, ranks: int = 1, progress: Progre
     return results
 
 
-def cases(quick: bool, ranks: int = 1) -> int:
-    return len(sizes.shapes(quick)) * (3 if ranks > 1 else 2)
+def cases(quick: bool, ranks: int = 1, device: str = "cpu") -> int:
+    return len(sizes.kernel_shapes(quick, device)) + len(sizes.shapes(quick)) * (2 if ranks > 1 else 1)
 
 
 def targets(results: List[Result], device: str):

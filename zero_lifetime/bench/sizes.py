@@ -6,3 +6,9 @@ QUICK = [(256, 1024), (16, 16384)]  # CI and the demo: well under a second per c
 
 def shapes(quick: bool):
     return QUICK if quick else SWEEP
+LARGE_GPU = [(16, 1 << 22)]  # 64M elements, 256 MB of fp32: the >= 64 MB GPU target on more than one size
+
+
+def kernel_shapes(quick: bool, device: str):
+    """The kernel-level sweep: on CUDA (full runs) also a size well above 64 MB."""
+    return shapes(quick) + (LARGE_GPU if device == "cuda" and not quick else [])

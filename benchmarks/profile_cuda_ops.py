@@ -1,0 +1,141 @@
+"""Where the time of one fused-op call goes on a GPU: host cost, kernel time, synced wall time.
+
+    python benchmarks/profile_cuda_ops.py [--json PATH]
+
+For each case and each way to call (the public API's direct entry, the dispatcher op through
+torch.ops, and the roofline ``dst.copy_(src)`` of the same bytes), side by side in one run:
+
+* wall: one call between two ``torch.cuda.synchronize()``, median (what ``bench`` reports);
+* host: 200 calls back to back without a sync, divided by 200 (the CPU cost of a call,
+  as long as the GPU keeps up);
+* kernel: the device time of the call's kernels from ``torch.profiler`` (CUDA activity),
+  median over 20 calls.
+
+Needs a CUDA GPU and the compiled extension with CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from zero_lifetime import _native, ops
+
+CASES = [  # (kind, tensors, elements each, source dtype)
+    ("fill", 2, 1 << 22, torch.float32), ("fill", 16, 1 << 20, torch.float32),
+    ("fill", 16, 1 << 22, torch.float32), ("fill", 16, 1 << 20, torch.bfloat16),
+    ("fill", 65, 1 << 18, torch.float32), ("fill", 2000, 4096, torch.float32),
+    ("fill", 8192, 1024, torch.float32),
+    ("gather", 16, 1 << 20, torch.float32), ("gather", 16, 1 << 22, torch.float32),
+    ("gather", 2000, 4096, torch.float32),
+]
+
+
+def make_case(kind, n, numel, dtype):
+    if kind == "fill":
+        grads = [torch.randn(numel, device="cuda").to(dtype) for _ in range(n)]
+        offsets = [i * numel for i in range(n)]
+        buffer = torch.empty(n * numel, device="cuda")
+        flat = torch.randn(n * numel, device="cuda").to(dtype)
+        calls = {
+            "direct": lambda: ops.bucket_fill(buffer, grads, offsets),
+            "dispatcher": lambda: torch.ops.zero_lifetime.bucket_fill(buffer, grads, offsets, 1.0),
+            "roofline": lambda: buffer.copy_(flat),
+        }
+        nbytes = n * numel * (dtype.itemsize + 4)
+    else:
+        world = 2
+        shard = -(-numel // world)
+        gathered = torch.randn(world * shard * n, device="cuda").to(dtype)
+        out = torch.empty(n * numel, device="cuda", dtype=dtype)
+        shards, numels = [shard] * n, [numel] * n
+        src = gathered.narrow(0, 0, out.numel())
+        calls = {
+            "direct": lambda: ops.gather_copy_out(gathered, out, shards, numels, world),
+            "dispatcher": lambda: torch.ops.zero_lifetime.gather_copy_out(gathered, out, shards, numels, world),
+            "roofline": lambda: out.copy_(src),
+        }
+        nbytes = 2 * out.numel() * out.element_size()
+    return calls, nbytes
+
+
+def wall_times(calls, rounds=30):
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def host_time(fn, calls=200):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls
+
+
+def kernel_time(fn, calls=20):
+    """Median over calls of the summed device time of the kernels and copies each call ran."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        return float("nan"), []
+    names = sorted({e.name[:60] for e in events})
+    per_call = sum(e.time_range.elapsed_us() for e in events) / calls
+    return per_call * 1e-6, names
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_cuda_ops: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    module = _native.load()
+    if module is None or not module.cuda_kernels_compiled():
+        raise SystemExit("profile_cuda_ops: the compiled extension has no CUDA kernels "
+                         "(build it with a CUDA torch: python setup.py build_ext --inplace)")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    header = f"{'case':<34}{'way':<11}{'wall us':>9}{'host us':>9}{'kernel us':>10}{'GB/s':>8}{'vs roof':>8}"
+    print(header)
+    for kind, n, numel, dtype in CASES:
+        calls, nbytes = make_case(kind, n, numel, dtype)
+        for fn in calls.values():  # warm-up: allocator, lazy module loading
+            fn()
+        wall = wall_times(calls)
+        case = f"{kind} {n} x {numel} {str(dtype)[6:]}"
+        for name, fn in calls.items():
+            host = host_time(fn)
+            kernel, names = kernel_time(fn)
+            row = {"case": case, "way": name, "wall_s": wall[name], "host_s": host, "kernel_s": kernel,
+                   "kernels": names, "bytes": nbytes, "wall_vs_roofline": wall[name] / wall["roofline"]}
+            rows.append(row)
+            print(f"{case:<34}{name:<11}{wall[name] * 1e6:>9.1f}{host * 1e6:>9.1f}{kernel * 1e6:>10.1f}"
+                  f"{nbytes / wall[name] / 1e9:>8.0f}{row['wall_vs_roofline']:>7.2f}x")
+        print(f"{'':<34}kernels: {rows[-3]['kernels']}")
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
