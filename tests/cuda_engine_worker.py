@@ -38,6 +38,7 @@ from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import zero_lifetime  # noqa: E402
 from zero_lifetime import ops  # noqa: E402
+from zero_lifetime.bench.step import peak_device_bytes  # noqa: E402
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 STEPS = 3
@@ -97,16 +98,6 @@ def left_gathered(engine):
             if not getattr(p, "ds_persist", False) and p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
 
 
-def peak_bytes(fn):
-    """Peak device memory above what was allocated before ``fn``."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
 def retained_step(engine, x):
     l1, l2 = losses(engine(x))
     engine.backward(l1, retain_graph=True)
@@ -151,8 +142,8 @@ def zero3_retained(policy):
     # of an identical engine (same shapes, same eager release).
     stock, _, _ = make_pair(3)
     single_step(stock, batch(0))  # warm-up: trace recording, allocator
-    stock_peak = peak_bytes(lambda: single_step(stock, batch(1)))
-    retained_peak = peak_bytes(lambda: retained_step(engine, batch(STEPS)))
+    stock_peak = peak_device_bytes(lambda: single_step(stock, batch(1)))
+    retained_peak = peak_device_bytes(lambda: retained_step(engine, batch(STEPS)))
     stats = zero_lifetime.stats(engine)
     stock.destroy()
     engine.destroy()

@@ -9,10 +9,8 @@ import json
 import os
 import time
 
-import torch.multiprocessing as mp
-
 import soak_worker as worker
-from zero_lifetime.single_rank import free_port
+from rank_spawn import spawn_ranks
 
 STEPS = int(os.environ.get("ZL_SOAK_STEPS", "40"))
 RSS_GROWTH_LIMIT = 64 * 2**20  # bytes; a leak of a param or a graph per step would exceed it fast
@@ -20,11 +18,8 @@ RSS_GROWTH_LIMIT = 64 * 2**20  # bytes; a leak of a param or a graph per step wo
 
 def test_soak_two_ranks_against_ddp(tmp_path):
     started = time.monotonic()
-    ctx = mp.start_processes(worker.main, args=(str(tmp_path), free_port(), STEPS), nprocs=worker.WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 60 + 3 * STEPS
-    while not ctx.join(timeout=1):
-        assert time.monotonic() < deadline, "soak ranks still running: killed"
+    spawned = spawn_ranks(worker.main, str(tmp_path), worker.WORLD, 60 + 3 * STEPS, STEPS)
+    assert spawned.failure is None, spawned.failure
     records = []
     for rank in range(worker.WORLD):
         with open(tmp_path / f"soak{rank}.json") as f:

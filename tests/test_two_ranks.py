@@ -7,16 +7,11 @@ for 3 optimizer steps (fp32, SGD, no gradient clipping); each rank writes what i
 measured and the tests below assert on it, one named test per scenario.
 """
 
-import json
-import os
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from zero_lifetime.single_rank import free_port
 
 import two_rank_worker as worker
+from rank_spawn import spawn_ranks
 
 SPAWN_DEADLINE_S = 240  # only reached when something hangs; a passing run takes far less
 ATOL = worker.ATOL
@@ -33,57 +28,9 @@ def _ids(scenarios):
     return [sc["id"] for sc in scenarios]
 
 
-class Results:
-
-    def __init__(self, out_dir, failure):
-        self.failure = failure
-        self.by_id = {}
-        for rank in range(worker.WORLD):
-            path = os.path.join(out_dir, f"rank{rank}.jsonl")
-            if os.path.exists(path):
-                with open(path) as f:
-                    for line in f:
-                        record = json.loads(line)
-                        self.by_id.setdefault(record["id"], {})[rank] = record
-        self.logs = {}
-        for rank in range(worker.WORLD):
-            path = os.path.join(out_dir, f"rank{rank}.log")
-            if os.path.exists(path):
-                with open(path, errors="replace") as f:
-                    self.logs[rank] = f.read()[-3000:]
-
-    def records(self, sid):
-        """Every rank's record of one scenario; fails the test when one is missing or raised."""
-        per_rank = self.by_id.get(sid, {})
-        for rank, record in sorted(per_rank.items()):
-            assert record["error"] is None, f"{sid} raised on rank {rank}:\n{record['error']}"
-        if len(per_rank) != worker.WORLD:
-            last_line = (self.failure or "").strip().splitlines()[-1:]
-            pytest.fail(f"{sid}: no result from ranks {sorted(set(range(worker.WORLD)) - set(per_rank))} "
-                        f"(spawn: {last_line}; see test_ranks_finished)")
-        return [per_rank[rank] for rank in range(worker.WORLD)]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("two_ranks"))
-    ctx = mp.start_processes(worker.main, args=(out_dir, int(free_port())), nprocs=worker.WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    failure = None
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                failure = f"ranks still running after {SPAWN_DEADLINE_S} s: killed"
-                break
-    except Exception as exc:  # a rank raised or died: report it, keep what was written
-        failure = f"{type(exc).__name__}: {exc}"
-    finally:
-        for process in ctx.processes:  # only the rank processes started above
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return Results(out_dir, failure)
+    return spawn_ranks(worker.main, str(tmp_path_factory.mktemp("two_ranks")), worker.WORLD, SPAWN_DEADLINE_S)
 
 
 def test_ranks_finished(results):

@@ -8,14 +8,10 @@ hand-built DeepSpeed handle both ways (uneven shards, secondary tensors, a dtype
 
 import copy
 import gc
-import json
-import os
-import time
 
 import deepspeed
 import pytest
 import torch
-import torch.multiprocessing as mp
 from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle, ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -25,10 +21,10 @@ from harness import MODELS, assert_weights_match, ds_config, full_weights, losse
 from zero_lifetime import ops
 from zero_lifetime.adapters.errors import UnsupportedDeepSpeedError
 from zero_lifetime.adapters.zero3_buckets import ADD_GRAD, REDUCE_BUCKET
-from zero_lifetime.single_rank import free_port
 from zero_lifetime.zero3_fused import Zero3FusedCopies
 
 import zero3_fused_worker as worker
+from rank_spawn import spawn_ranks
 
 STEPS = 3
 SMALL_BUCKET = 40  # elements: mlp_norm's params (128, 16, 16, 16, 64, 4) need several flushes per backward
@@ -272,54 +268,12 @@ SPAWN_DEADLINE_S = 150
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("zero3_fused"))
-    ctx = mp.start_processes(worker.main, args=(out_dir, int(free_port())), nprocs=worker.WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    failure = None
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                failure = f"ranks still running after {SPAWN_DEADLINE_S} s: killed"
-                break
-    except Exception as exc:  # a rank raised or died: report it, keep what was written
-        failure = f"{type(exc).__name__}: {exc}"
-    finally:
-        for process in ctx.processes:  # only the rank processes started above
-            if process.is_alive():
-                process.kill()
-                process.join()
-    by_id = {}
-    for rank in range(worker.WORLD):
-        path = os.path.join(out_dir, f"rank{rank}.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    record = json.loads(line)
-                    by_id.setdefault(record["id"], {})[rank] = record
-    logs = {}
-    for rank in range(worker.WORLD):
-        path = os.path.join(out_dir, f"rank{rank}.log")
-        if os.path.exists(path):
-            with open(path, errors="replace") as f:
-                logs[rank] = f.read()[-2000:]
-    return failure, by_id, logs
-
-
-def _records(two_rank_results, sid):
-    failure, by_id, logs = two_rank_results
-    per_rank = by_id.get(sid, {})
-    if len(per_rank) != worker.WORLD:
-        pytest.fail(f"{sid}: ranks {sorted(per_rank)} reported; spawn: {failure}; logs: {logs}")
-    for rank, record in sorted(per_rank.items()):
-        assert record["error"] is None, f"{sid} raised on rank {rank}:\n{record['error']}"
-    return [per_rank[rank] for rank in range(worker.WORLD)]
+    return spawn_ranks(worker.main, str(tmp_path_factory.mktemp("zero3_fused")), worker.WORLD, SPAWN_DEADLINE_S)
 
 
 def test_two_ranks_finished(two_rank_results):
-    failure, by_id, logs = two_rank_results
-    assert failure is None, f"{failure}; log tails: {logs}"
-    assert sorted(by_id) == sorted(sc["id"] for sc in worker.SCENARIOS)
+    assert two_rank_results.failure is None, f"{two_rank_results.failure}; log tails: {two_rank_results.logs}"
+    assert sorted(two_rank_results.by_id) == sorted(sc["id"] for sc in worker.SCENARIOS)
 
 
 FUSED_SCENARIOS = [sc for sc in worker.SCENARIOS if not sc["uninstall_first"]]
@@ -327,7 +281,7 @@ FUSED_SCENARIOS = [sc for sc in worker.SCENARIOS if not sc["uninstall_first"]]
 
 @pytest.mark.parametrize("sc", FUSED_SCENARIOS, ids=[sc["id"] for sc in FUSED_SCENARIOS])
 def test_two_ranks_fused_matches_ddp(two_rank_results, sc):
-    for rank, record in enumerate(_records(two_rank_results, sc["id"])):
+    for rank, record in enumerate(two_rank_results.records(sc["id"])):
         assert all(e <= worker.base.ATOL for e in record["oracle_tol_excess"].values()), record["oracle_abs_diff"]
         if sc["dtype"] == "bf16":
             bad = {n: d for n, d in record["abs_diff"].items() if not d <= BF16_ATOL}
@@ -349,7 +303,7 @@ def test_two_ranks_fused_matches_ddp(two_rank_results, sc):
 
 
 def test_two_ranks_uninstalled_is_stock(two_rank_results):
-    for rank, record in enumerate(_records(two_rank_results, "uninstalled-is-stock")):
+    for rank, record in enumerate(two_rank_results.records("uninstalled-is-stock")):
         bad = {n: record["abs_diff"][n] for n, e in record["tol_excess"].items() if not e <= worker.base.ATOL}
         assert not bad, f"rank {rank}: {bad}"
         assert record["differs_from_stock"] == []

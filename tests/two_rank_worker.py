@@ -281,8 +281,8 @@ def _run_scenario(sc, rank):
     return _run_training(sc, rank)
 
 
-def main(rank, out_dir, port, only=None):
-    """torch.multiprocessing entry point: rank runs every scenario (or those named in only)."""
+def run_rank(rank, out_dir, port, scenarios, run_one):
+    """One rank: join the gloo group, run every scenario, one JSON line each to rank<r>.jsonl."""
     _set_env(rank, port)
     _quiet(os.path.join(out_dir, f"rank{rank}.log"))
     import logging
@@ -291,21 +291,17 @@ def main(rank, out_dir, port, only=None):
     import torch.distributed as dist
     torch.set_num_threads(1)
     import deepspeed
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False,
                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     # A separate gloo group for the status exchange: never paired with DeepSpeed's collectives.
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
-    results_path = os.path.join(out_dir, f"rank{rank}.jsonl")
-    with open(results_path, "w") as results:
-        for sc in SCENARIOS:
-            if only is not None and sc["id"] not in only:
-                continue
+    with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "w") as results:
+        for sc in scenarios:
             started = time.perf_counter()
             try:
-                record = _run_scenario(sc, rank)
+                record = run_one(sc, rank)
                 record["error"] = None
             except BaseException:  # noqa: BLE001 - every failure is a result for the parent
                 record = {"error": traceback.format_exc(limit=-8)}
@@ -322,3 +318,9 @@ def main(rank, out_dir, port, only=None):
                 break
     dist.barrier(group=control)
     dist.destroy_process_group()
+
+
+def main(rank, out_dir, port, only=None):
+    """torch.multiprocessing entry point: rank runs every scenario (or those named in only)."""
+    scenarios = [sc for sc in SCENARIOS if only is None or sc["id"] in only]
+    run_rank(rank, out_dir, port, scenarios, _run_scenario)

@@ -8,11 +8,6 @@ its params, shared by them, and gone once they are released. One JSON line per
 scenario and rank goes to ``<out>/rank<r>.jsonl``.
 """
 
-import gc
-import json
-import os
-import time
-import traceback
 
 import two_rank_worker as base
 
@@ -201,36 +196,4 @@ def _handles_with_our_wait(engine):
 
 def main(rank, out_dir, port):
     """torch.multiprocessing entry point: this rank runs every scenario."""
-    import datetime
-
-    base._set_env(rank, port)
-    base._quiet(os.path.join(out_dir, f"rank{rank}.log"))
-    import logging
-
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False,
-                               timeout=datetime.timedelta(seconds=base.COLLECTIVE_TIMEOUT_S))
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=base.CONTROL_TIMEOUT_S))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-    with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "w") as results:
-        for sc in SCENARIOS:
-            started = time.perf_counter()
-            try:
-                record = _run(sc, rank)
-                record["error"] = None
-            except BaseException:  # noqa: BLE001 - every failure is a result for the parent
-                record = {"error": traceback.format_exc(limit=-8)}
-            gc.collect()
-            record.update(id=sc["id"], rank=rank, seconds=round(time.perf_counter() - started, 3))
-            results.write(json.dumps(record) + "\n")
-            results.flush()
-            statuses = [None] * WORLD
-            dist.all_gather_object(statuses, record["error"] is None, group=control)
-            if any(statuses) and not all(statuses):
-                break  # only some ranks failed: collectives may be out of step
-    dist.barrier(group=control)
-    dist.destroy_process_group()
+    base.run_rank(rank, out_dir, port, SCENARIOS, _run)
