@@ -25,32 +25,9 @@ single_rank_env()
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
 import zero_lifetime  # noqa: E402
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 # The model, engines and steps of `python -m zero_lifetime.bench step`, so both measure the same thing.
 from zero_lifetime.bench.engines import TinyTransformer, make_engine  # noqa: E402
-from zero_lifetime.bench.step import retained_step, single_backward_step  # noqa: E402
-
-
-def gathered_bytes(engine):
-    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
-               if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
-
-
-class PeakGathered:
-    """Sample gathered bytes at every module forward and every gradient accumulation."""
-
-    def __init__(self, engine):
-        self.engine, self.peak, self.handles = engine, 0, []
-        for module in engine.module.modules():
-            self.handles.append(module.register_forward_hook(lambda *a: self.sample()))
-        for param in engine.module.parameters():
-            self.handles.append(param.register_post_accumulate_grad_hook(lambda p: self.sample()))
-
-    def sample(self):
-        self.peak = max(self.peak, gathered_bytes(self.engine))
-
-    def reset(self):
-        self.peak = 0
+from zero_lifetime.bench.step import PeakGathered, gathered_bytes, single_backward_step  # noqa: E402
 
 
 def timed(fn, *args):

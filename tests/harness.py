@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import safe_get_full_fp32_param
+from zero_lifetime.bench.step import gathered_bytes  # noqa: F401  (re-exported to the tests)
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
@@ -127,11 +128,6 @@ def released_state(engine):
         elif p.data.numel() != 0:
             inconsistent.append(name)
     return gathered, inconsistent
-
-
-def gathered_bytes(engine):
-    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
-               if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False))
 
 
 def two_backwards(engine, out, path: str, zero_grad: bool):

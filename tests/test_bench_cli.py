@@ -113,3 +113,23 @@ def test_cuda_without_gpu_is_a_clear_error_not_a_traceback():
     assert proc.returncode == 2
     assert "--device cuda needs a CUDA GPU" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _copy_result(n, numel, nbytes, ours, stock, roofline):
+    return {"case": f"{n} x {numel}", "n": n, "numel": numel, "bytes": nbytes,
+            "samples": {"ours": [ours], "stock": [stock], "roofline": [roofline]}}
+
+
+def test_gpu_copy_targets_judge_the_worst_case_and_say_when_absent():
+    """The CUDA branch of the copy targets, judged here on given medians (CI has no GPU)."""
+    from zero_lifetime.bench.targets import copy_targets
+    at_shape = _copy_result(2000, 4096, 2 * 2000 * 4096 * 4, ours=1.0, stock=10.0, roofline=0.5)
+    large = [_copy_result(16, 1 << 20, 2 * (64 << 20), ours=0.07, stock=0.1, roofline=0.06),
+             _copy_result(16, 1 << 22, 2 * (256 << 20), ours=0.2, stock=0.3, roofline=0.19)]
+    (bandwidth, speed) = copy_targets("fill", [at_shape, *large], "cuda", "ours", "stock", "roofline")
+    assert bandwidth[1:] == ("worst 86% over 2 cases", False)  # 0.06 / 0.07: the worst of the two
+    assert speed[1:] == ("worst 10.0x", True)
+    (bandwidth, speed) = copy_targets("fill", [at_shape], "cuda", "ours", "stock", "roofline")
+    assert bandwidth[2] is None and "no case of 64 MB" in bandwidth[1]
+    (bandwidth, speed) = copy_targets("fill", large, "cuda", "ours", "stock", "roofline")
+    assert speed[2] is None and bandwidth[2] is False

@@ -26,21 +26,28 @@ QUICK_MODEL = {"layers": 1, "width": 32, "seq": 8}
 WARMUP_STEPS = 3  # trace recording and the first gathers
 
 
+def gathered_bytes(engine) -> int:
+    """Bytes of the engine's non-persistent params that are gathered right now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
+               if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False))
+
+
 class PeakGathered:
-    """Peak bytes of gathered non-persistent params, sampled at module forwards and grad accumulations."""
+    """Peak of :func:`gathered_bytes`, sampled at every module forward and grad accumulation."""
 
     def __init__(self, engine):
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        self._available, self._params, self.peak = ZeroParamStatus.AVAILABLE, list(engine.module.parameters()), 0
+        self.engine, self.peak, self.handles = engine, 0, []
         for module in engine.module.modules():
-            module.register_forward_hook(lambda *a: self.sample())
-        for param in self._params:
-            param.register_post_accumulate_grad_hook(lambda p: self.sample())
+            self.handles.append(module.register_forward_hook(lambda *a: self.sample()))
+        for param in engine.module.parameters():
+            self.handles.append(param.register_post_accumulate_grad_hook(lambda p: self.sample()))
 
     def sample(self):
-        gathered = sum(p.ds_numel * p.element_size() for p in self._params
-                       if p.ds_status == self._available and not p.ds_persist)
-        self.peak = max(self.peak, gathered)
+        self.peak = max(self.peak, gathered_bytes(self.engine))
+
+    def reset(self):
+        self.peak = 0
 
 
 def peak_device_bytes(step) -> int:

@@ -27,21 +27,23 @@ def copy_targets(what: str, results, device: str, ours: str, stock: str, rooflin
         within = sum(ratio <= CPU_ROOFLINE_RATIO for ratio, _ in ratios)
         return [(f"{what} within {CPU_ROOFLINE_RATIO}x of the roofline (CPU)",
                  f"{within}/{len(ratios)} cases; worst {worst:.2f}x ({case})", within == len(ratios))]
-    out = []
     large = [r for r in results if r["bytes"] // 2 >= GPU_LARGE_BYTES]
-    if large:
-        fractions = [_median(r, roofline) / _median(r, ours) for r in large]
-        out.append((f"{what} >= {GPU_ROOFLINE_FRACTION:.0%} of roofline bandwidth for >= 64 MB (GPU)",
-                    f"worst {min(fractions):.0%} over {len(large)} cases", min(fractions) >= GPU_ROOFLINE_FRACTION))
-    else:
-        out.append((f"{what} >= {GPU_ROOFLINE_FRACTION:.0%} of roofline bandwidth for >= 64 MB (GPU)",
-                    "no case of 64 MB or more in this run", None))
+    fractions = [_median(r, roofline) / _median(r, ours) for r in large]
     at_shape = [r for r in results if (r.get("n"), r.get("numel")) == GPU_SPEEDUP_SHAPE]
-    if at_shape:
-        speedups = [_median(r, stock) / _median(r, ours) for r in at_shape]
-        out.append((f"{what} >= {GPU_SPEEDUP_VS_LOOP:.0f}x faster than the per-param loop at 2000 x 4K (GPU)",
-                    f"worst {min(speedups):.1f}x", min(speedups) >= GPU_SPEEDUP_VS_LOOP))
-    else:
-        out.append((f"{what} >= {GPU_SPEEDUP_VS_LOOP:.0f}x faster than the per-param loop at 2000 x 4K (GPU)",
-                    "2000 x 4K not in this run (drop --quick)", None))
-    return out
+    speedups = [_median(r, stock) / _median(r, ours) for r in at_shape]
+    return [
+        _judged(f"{what} >= {GPU_ROOFLINE_FRACTION:.0%} of roofline bandwidth for >= 64 MB (GPU)",
+                fractions, GPU_ROOFLINE_FRACTION, lambda worst: f"worst {worst:.0%} over {len(large)} cases",
+                "no case of 64 MB or more in this run"),
+        _judged(f"{what} >= {GPU_SPEEDUP_VS_LOOP:.0f}x faster than the per-param loop at 2000 x 4K (GPU)",
+                speedups, GPU_SPEEDUP_VS_LOOP, lambda worst: f"worst {worst:.1f}x",
+                "2000 x 4K not in this run (drop --quick)"),
+    ]
+
+
+def _judged(name: str, values, floor: float, describe, when_absent: str) -> Target:
+    """A target met when the worst (smallest) value reaches ``floor``; unjudged without values."""
+    if not values:
+        return (name, when_absent, None)
+    worst = min(values)
+    return (name, describe(worst), worst >= floor)
