@@ -6,7 +6,7 @@
 #   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
 #   sanitize  the CUDA kernels under compute-sanitizer memcheck and racecheck
 #   bench     python -m zero_lifetime.bench all --device cuda, the kernel bench, and where
-#             the time of one fused-op call goes (benchmarks/profile_cuda_ops.py)
+#             the time of one fused-op call goes (benchmarks/profile_ops.py)
 # Logs, JSON and plots go to $OUT (default ./gpu-out).
 # Example: bash scripts/gpu_check.sh setup tests sanitize bench
 set -uo pipefail
@@ -55,7 +55,7 @@ for phase in "$@"; do
       run bench python3 -m zero_lifetime.bench all --device cuda --repeats 15 --json "$OUT/bench_cuda.json" \
         --plot "$OUT/bench_cuda.png"
       run bench_kernels python3 -m zero_lifetime.bench.kernels --device cuda --json "$OUT/kernels_cuda.json"
-      run profile_ops python3 benchmarks/profile_cuda_ops.py --json "$OUT/profile_cuda.json"
+      run profile_ops python3 benchmarks/profile_ops.py --device cuda --json "$OUT/profile_cuda.json"
       ;;
     *) echo "unknown phase: $phase (setup, tests, sanitize, bench)"; exit 2 ;;
   esac

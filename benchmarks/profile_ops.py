@@ -1,6 +1,6 @@
-"""Where the time of one fused-op call goes on a GPU: host cost, kernel time, synced wall time.
+"""Where the time of one fused-op call goes: host cost, kernel time, synced wall time.
 
-    python benchmarks/profile_cuda_ops.py [--json PATH]
+    python benchmarks/profile_ops.py [--device cuda|cpu] [--json PATH]
 
 For each case and each way to call (the public API's direct entry, the dispatcher op through
 torch.ops, and the roofline ``dst.copy_(src)`` of the same bytes), side by side in one run:
@@ -11,7 +11,8 @@ torch.ops, and the roofline ``dst.copy_(src)`` of the same bytes), side by side 
 * kernel: the device time of the call's kernels from ``torch.profiler`` (CUDA activity),
   median over 20 calls.
 
-Needs a CUDA GPU and the compiled extension with CUDA kernels.
+On CUDA (the default) it needs a GPU and the extension's CUDA kernels. On CPU there is no
+separate kernel time, and host time is the whole time of a call.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ CASES = [  # (kind, tensors, elements each, source dtype)
 ]
 
 
-def make_case(kind, n, numel, dtype):
+def make_case(kind, n, numel, dtype, device):
     if kind == "fill":
-        grads = [torch.randn(numel, device="cuda").to(dtype) for _ in range(n)]
+        grads = [torch.randn(numel, device=device).to(dtype) for _ in range(n)]
         offsets = [i * numel for i in range(n)]
-        buffer = torch.empty(n * numel, device="cuda")
-        flat = torch.randn(n * numel, device="cuda").to(dtype)
+        buffer = torch.empty(n * numel, device=device)
+        flat = torch.randn(n * numel, device=device).to(dtype)
         calls = {
             "direct": lambda: ops.bucket_fill(buffer, grads, offsets),
             "dispatcher": lambda: torch.ops.zero_lifetime.bucket_fill(buffer, grads, offsets, 1.0),
@@ -51,8 +52,8 @@ def make_case(kind, n, numel, dtype):
     else:
         world = 2
         shard = -(-numel // world)
-        gathered = torch.randn(world * shard * n, device="cuda").to(dtype)
-        out = torch.empty(n * numel, device="cuda", dtype=dtype)
+        gathered = torch.randn(world * shard * n, device=device).to(dtype)
+        out = torch.empty(n * numel, device=device, dtype=dtype)
         shards, numels = [shard] * n, [numel] * n
         src = gathered.narrow(0, 0, out.numel())
         calls = {
@@ -64,25 +65,25 @@ def make_case(kind, n, numel, dtype):
     return calls, nbytes
 
 
-def wall_times(calls, rounds=30):
+def wall_times(calls, sync, rounds=30):
     samples = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def host_time(fn, calls=200):
-    torch.cuda.synchronize()
+def host_time(fn, sync, calls=200):
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
+    sync()
     return elapsed / calls
 
 
@@ -104,37 +105,45 @@ def kernel_time(fn, calls=20):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_cuda_ops: needs a CUDA GPU (torch.cuda.is_available() is False)")
     module = _native.load()
-    if module is None or not module.cuda_kernels_compiled():
-        raise SystemExit("profile_cuda_ops: the compiled extension has no CUDA kernels "
-                         "(build it with a CUDA torch: python setup.py build_ext --inplace)")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if module is None:
+        raise SystemExit("profile_ops: the compiled extension is not available (python -m zero_lifetime.env_report)")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("profile_ops: --device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
+        if not module.cuda_kernels_compiled():
+            raise SystemExit("profile_ops: the compiled extension has no CUDA kernels "
+                             "(build it with a CUDA torch: python setup.py build_ext --inplace)")
+        sync, device_name = torch.cuda.synchronize, torch.cuda.get_device_name()
+    else:
+        sync, device_name = (lambda: None), f"CPU, {torch.get_num_threads()} threads"
+    print(f"{device_name}, torch {torch.__version__}")
     rows = []
     header = f"{'case':<34}{'way':<11}{'wall us':>9}{'host us':>9}{'kernel us':>10}{'GB/s':>8}{'vs roof':>8}"
     print(header)
     for kind, n, numel, dtype in CASES:
-        calls, nbytes = make_case(kind, n, numel, dtype)
+        calls, nbytes = make_case(kind, n, numel, dtype, args.device)
         for fn in calls.values():  # warm-up: allocator, lazy module loading
             fn()
-        wall = wall_times(calls)
+        wall = wall_times(calls, sync)
         case = f"{kind} {n} x {numel} {str(dtype)[6:]}"
         for name, fn in calls.items():
-            host = host_time(fn)
-            kernel, names = kernel_time(fn)
+            host = host_time(fn, sync, calls=200 if args.device == "cuda" else 10)
+            kernel, names = kernel_time(fn) if args.device == "cuda" else (float("nan"), [])
             row = {"case": case, "way": name, "wall_s": wall[name], "host_s": host, "kernel_s": kernel,
                    "kernels": names, "bytes": nbytes, "wall_vs_roofline": wall[name] / wall["roofline"]}
             rows.append(row)
             print(f"{case:<34}{name:<11}{wall[name] * 1e6:>9.1f}{host * 1e6:>9.1f}{kernel * 1e6:>10.1f}"
                   f"{nbytes / wall[name] / 1e9:>8.0f}{row['wall_vs_roofline']:>7.2f}x")
-        print(f"{'':<34}kernels: {rows[-3]['kernels']}")
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            print(f"{'':<34}kernels: {rows[-3]['kernels']}")
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
