@@ -11,11 +11,10 @@ names probed here:
 
 0.19.8 defers the offload boundary copy to ``_finalize_*offload_gradient_accumulation``
 over a window id set, which is reused here. 0.17.6 has no such finalizer (it copies per
-param as each is reduced): there a window in which some param gets no gradient in the
-boundary backward fails with an error naming the feature (see ``finalize_offloaded``).
+param as each is reduced): ``offload_window_legacy`` does that copy there.
 """
 
-from .errors import require, unsupported_feature
+from .errors import require
 
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -41,8 +40,12 @@ class GradWindowAdapter:
                 require(optimizer, "reduce_ready_partitions_and_remove_grads", "the ZeRO-1/2 bucket entry")
         # The deferred boundary copy (0.19.8); 0.17.6 has neither name.
         self.can_finalize = hasattr(optimizer, self._finalizer[1])
+        self._legacy = None
         if self.offload and self.can_finalize:
             require(optimizer, self._finalizer[0], "the offload window's param ids")
+        elif self.offload:
+            from .offload_window_legacy import LegacyOffloadWindow
+            self._legacy = LegacyOffloadWindow(optimizer, stage, self.at_boundary)
         # Stage 1/2 allocate their buckets and advance the micro step here, once per backward.
         self._setup_buckets = "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
 
@@ -73,14 +76,9 @@ class GradWindowAdapter:
         if not params:
             return
         optimizer = self.optimizer
-        if not self.can_finalize:
-            raise unsupported_feature(
-                "CPU optimizer offload with a param that gets no gradient in the boundary micro-step",
-                f"{len(params)} param(s) got gradients earlier in this accumulation window but not in "
-                f"its last backward, and this DeepSpeed copies offloaded gradients to the optimizer only "
-                f"for params reduced in that backward (no deferred offload finalizer, added in 0.18); "
-                f"the step would drop or mis-add their gradients. Do not call step() now; use DeepSpeed "
-                f"0.19.8, or give every param a gradient in the last micro-step")
+        if self._legacy is not None:
+            self._legacy.finalize(params)
+            return
         ids_attr, finalize = self._finalizer[0], getattr(optimizer, self._finalizer[1])
         if self.stage == 3:
             ids = {p.ds_id for p in params}
@@ -141,3 +139,7 @@ class GradWindowAdapter:
             optimizer.__dict__.pop(self._setup_buckets, None)
 
         return undo
+
+    def restore(self) -> None:
+        if self._legacy is not None:
+            self._legacy.restore()
