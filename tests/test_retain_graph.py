@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import (TORCH_STYLE_BACKWARD, assert_weights_match, gathered_bytes, losses, make_input, make_pair,
-                     params_saved_by_forward, reference_two_backwards, released_state, two_backwards)
+from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, assert_weights_match, gathered_bytes, losses, make_input,
+                     make_pair, params_saved_by_forward, reference_two_backwards, released_state, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 
 # Single-backward steps use loss.backward() where DeepSpeed supports it (0.18+), else engine.backward().
@@ -84,6 +84,38 @@ def test_stock_stage3_fails_without_install():
     engine, *_ = make_pair("mlp_norm", 3)
     with pytest.raises(RuntimeError, match="size of tensor a \\(0\\)"):
         two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_stage12_two_backwards(stage):
+    """Negative control, per release: stock 0.17.6 crashes in the second backward's epilogue
+    (it adds to a running sum the first one freed); stock 0.19.8 keeps only the last
+    backward's gradients where torch sums them."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    x = make_input("mlp_norm", 0)
+    if DS_VERSION == "0.17.6":
+        with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+            two_backwards(engine, engine(x), "engine", zero_grad=False)
+        return
+    two_backwards(engine, engine(x), "engine", zero_grad=False)
+    engine.step()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_weights_match(engine, reference)
+
+
+def test_stock_zero2_accumulation():
+    """Negative control, per release: stock ZeRO-2 with GAS 2 keeps only the last micro-step
+    on 0.17.6 (test_gradient_accumulation_unchanged shows the installed fix); 0.19.8 sums."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 2, gas=2)
+    for micro in range(2):
+        x = make_input("mlp_norm", micro)
+        engine.backward(losses(engine(x))[0])
+        engine.step()
+        if micro == 1 or DS_VERSION != "0.17.6":
+            (losses(reference(x))[0] / 2).backward()
+    ref_opt.step()
+    assert_weights_match(engine, reference)
 
 
 def test_regather_keeps_stock_memory_and_pin_keeps_params():
