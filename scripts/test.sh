@@ -3,7 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+source scripts/deepspeed_python.sh  # ZL_DEEPSPEED: 0.19.8 (default) or 0.17.6
 export DS_ACCELERATOR=cpu
+if [ "$ZL_DEEPSPEED" != 0.19.8 ]; then
+  # Another DeepSpeed release: the pytest suite only (or the tests given); the native and
+  # CUDA build checks below do not depend on DeepSpeed and run with the default.
+  exec "$PY" -m pytest -q -p no:cacheprovider "${@:-tests}"
+fi
 # The C++ core's native tests: plain, under AddressSanitizer+UBSan, and under
 # ThreadSanitizer (its multi-threaded refcount stress test is the point of that one).
 # The CUDA kernels' device code also runs there, emulated on the CPU (no GPU in CI).

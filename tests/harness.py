@@ -157,3 +157,38 @@ def reference_two_backwards(reference, ref_opt, x, zero_grad: bool):
     l2.backward()
     ref_opt.step()
     ref_opt.zero_grad()
+
+
+# The installed DeepSpeed release (the suite runs on 0.19.8 and 0.17.6, see README).
+DS_VERSION = deepspeed.__version__.split("+")[0]
+# DeepSpeed 0.18+ reduces gradients for a plain loss.backward() (and has engine.scale());
+# 0.17.6 only inside engine.backward(loss), and zero_lifetime refuses the plain path there.
+TORCH_STYLE_BACKWARD = hasattr(deepspeed.runtime.engine.DeepSpeedEngine, "scale")
+
+
+def linear_saves_params() -> bool:
+    """ZeRO-3's F.linear replacement saves weight and bias for backward; aten's linear saves
+    no bias, and no weight when its input needs no grad. DeepSpeed 0.19.8 installs it at
+    initialize, 0.17.6 only inside zero.Init (not used here)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    return F.linear is zero3_linear_wrap
+
+
+def params_saved_by_forward(model_name: str, module) -> list:
+    """Names of the params a forward of ``module`` keeps for backward (pinned under "pin")."""
+    names = [name for name, _ in module.named_parameters()]
+    if linear_saves_params() or model_name != "mlp_norm":
+        return names
+    return ["ln.weight", "ln.bias", "l2.weight"]  # l1's input needs no grad; biases are not saved
+
+
+def stock_backward_leftovers(model_name: str) -> list:
+    """Params stock DeepSpeed itself keeps gathered from a completed backward until step().
+
+    0.19.8 releases the params of a module whose post-backward release never ran (its input
+    needs no grad: mlp_norm's l1) in its epilogue (``release_backward_leftovers``); 0.17.6 has
+    no such release and keeps them until step() (measured, without zero_lifetime)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    if hasattr(PartitionedParameterCoordinator, "release_backward_leftovers") or model_name != "mlp_norm":
+        return []
+    return ["l1.weight", "l1.bias"]

@@ -18,7 +18,9 @@ def test_env_report(force_python):
     assert done.returncode == 0, done.stderr[-2000:]
     lines = dict(line.split(":", 1) for line in done.stdout.splitlines() if " : " in line)
     lines = {k.strip(): v.strip() for k, v in lines.items()}
-    assert lines["deepspeed"] == "0.19.8"
+    from importlib.metadata import version
+    from zero_lifetime.adapters import SUPPORTED_DEEPSPEED_VERSIONS
+    assert lines["deepspeed"] == version("deepspeed") and lines["deepspeed"] in SUPPORTED_DEEPSPEED_VERSIONS
     if force_python:
         assert lines["tracker impl"].startswith("python")
         assert lines["fused ops"].startswith("pure-torch reference")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import assert_weights_match, losses, make_input, make_pair, released_state
+from harness import assert_weights_match, losses, make_input, make_pair, released_state, stock_backward_leftovers
 
 
 class _FailingBackward(torch.autograd.Function):
@@ -33,9 +33,10 @@ def _plain_step(engine, reference, ref_opt, seed):
     ref_opt.zero_grad()
 
 
-def _assert_nothing_held(engine):
+def _assert_nothing_held(engine, after_backward=False):
+    """Nothing pinned or gathered, but what stock DeepSpeed keeps after a backward (0.17.6)."""
     gc.collect()
-    assert released_state(engine) == ([], [])
+    assert released_state(engine) == (stock_backward_leftovers("mlp_norm") if after_backward else [], [])
 
 
 @pytest.mark.parametrize("policy", ["regather", "pin"])
@@ -50,7 +51,7 @@ def test_interrupt_between_the_two_backwards(policy):
 
     with pytest.raises(KeyboardInterrupt):
         interrupted_step()
-    _assert_nothing_held(engine)
+    _assert_nothing_held(engine, after_backward=True)
     assert zero_lifetime.stats(engine)["pinned_params"] == 0
     # The user drops the half step and goes on; torch does the same.
     engine.zero_grad()
@@ -101,10 +102,10 @@ def test_teardown_with_a_retained_graph_alive(teardown):
     else:
         engine.destroy()
         assert "destroy" not in engine.__dict__  # uninstalled on the way
-    _assert_nothing_held(engine)  # pins released at once, with the graph still alive
+    _assert_nothing_held(engine, after_backward=True)  # pins released at once, with the graph still alive
     del out, l1, l2
     gc.collect()
-    _assert_nothing_held(engine)
+    _assert_nothing_held(engine, after_backward=True)
     if teardown == "uninstall":
         # A stock engine again, holding the first loss's reduced gradients: step() applies
         # them (as torch would), and it goes on training like torch.

@@ -2,7 +2,7 @@
 
 Stages 1/2/3, with and without CPU optimizer offload, one backward per task (GAS 3)
 and one summed backward (GAS 1), fp32 and bf16. The negative controls pin down what
-stock DeepSpeed 0.19.8 does, so the fix is shown to matter.
+stock DeepSpeed does (0.19.8 and 0.17.6 alike), so the fix is shown to matter.
 """
 
 import pytest
@@ -80,8 +80,10 @@ def test_uninstall_restores_stock_window():
     model, _ = mt.make_models()
     engine = mt.build_engine(model, 1, "per_task", True, "fp32")
     optimizer = engine.optimizer
+    # DeepSpeed 0.17.6 sets its buckets up in backward_prologue (setup_buckets from 0.18.3).
+    setup = "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
     before = {name: getattr(optimizer, name) for name in
-              ("independent_gradient_partition_epilogue", "reduce_gradients", "setup_buckets")}
+              ("independent_gradient_partition_epilogue", "reduce_gradients", setup)}
     zero_lifetime.install(engine)
     assert all(getattr(optimizer, n) != f for n, f in before.items())
     zero_lifetime.uninstall(engine)

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import (assert_weights_match, gathered_bytes, losses, make_input, make_pair, reference_two_backwards,
-                     released_state, two_backwards)
+from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, assert_weights_match, gathered_bytes, losses, make_input,
+                     make_pair, params_saved_by_forward, reference_two_backwards, released_state, two_backwards)
+from zero_lifetime.adapters import UnsupportedDeepSpeedError
+
+# Single-backward steps use loss.backward() where DeepSpeed supports it (0.18+), else engine.backward().
+PLAIN_PATH = "manual" if TORCH_STYLE_BACKWARD else "engine"
+
+
+def _backward(engine, loss):
+    loss.backward() if TORCH_STYLE_BACKWARD else engine.backward(loss)
 
 
 def _run_steps(engine, reference, ref_opt, model_name, schedule, path, zero_grad):
@@ -33,6 +41,15 @@ def _run_steps(engine, reference, ref_opt, model_name, schedule, path, zero_grad
 def test_two_losses_match_torch(stage, path, zero_grad):
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     zero_lifetime.install(engine)
+    if path != "engine" and not TORCH_STYLE_BACKWARD:
+        # DeepSpeed 0.17.6 would never reduce the last bucket: refused before DeepSpeed sees a gradient.
+        x = make_input("mlp_norm", 0)
+        with pytest.raises(UnsupportedDeepSpeedError, match="engine.backward\\(loss"):
+            two_backwards(engine, engine(x), "manual", zero_grad)
+        # The engine path still works after the refusal.
+        _run_steps(engine, reference, ref_opt, "mlp_norm", [2], "engine", zero_grad)
+        assert_weights_match(engine, reference)
+        return
     _run_steps(engine, reference, ref_opt, "mlp_norm", [2], path, zero_grad)
     assert_weights_match(engine, reference)
 
@@ -43,7 +60,7 @@ def test_two_losses_match_torch(stage, path, zero_grad):
 def test_stage3_alternating_steps(model_name, persistence, policy):
     engine, reference, ref_opt = make_pair(model_name, 3, persistence=persistence)
     zero_lifetime.install(engine, policy=policy)
-    _run_steps(engine, reference, ref_opt, model_name, [2, 1, 2, 2, 1], "manual", zero_grad=False)
+    _run_steps(engine, reference, ref_opt, model_name, [2, 1, 2, 2, 1], PLAIN_PATH, zero_grad=False)
     assert_weights_match(engine, reference)
     gc.collect()
     stats = zero_lifetime.stats(engine)
@@ -69,6 +86,38 @@ def test_stock_stage3_fails_without_install():
         two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=True)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_stage12_two_backwards(stage):
+    """Negative control, per release: stock 0.17.6 crashes in the second backward's epilogue
+    (it adds to a running sum the first one freed); stock 0.19.8 keeps only the last
+    backward's gradients where torch sums them."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    x = make_input("mlp_norm", 0)
+    if DS_VERSION == "0.17.6":
+        with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+            two_backwards(engine, engine(x), "engine", zero_grad=False)
+        return
+    two_backwards(engine, engine(x), "engine", zero_grad=False)
+    engine.step()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_weights_match(engine, reference)
+
+
+def test_stock_zero2_accumulation():
+    """Negative control, per release: stock ZeRO-2 with GAS 2 keeps only the last micro-step
+    on 0.17.6 (test_gradient_accumulation_unchanged shows the installed fix); 0.19.8 sums."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 2, gas=2)
+    for micro in range(2):
+        x = make_input("mlp_norm", micro)
+        engine.backward(losses(engine(x))[0])
+        engine.step()
+        if micro == 1 or DS_VERSION != "0.17.6":
+            (losses(reference(x))[0] / 2).backward()
+    ref_opt.step()
+    assert_weights_match(engine, reference)
+
+
 def test_regather_keeps_stock_memory_and_pin_keeps_params():
     stock, *_ = make_pair("mlp_norm", 3)
     x = make_input("mlp_norm", 0)
@@ -84,9 +133,10 @@ def test_regather_keeps_stock_memory_and_pin_keeps_params():
     pin, *_ = make_pair("mlp_norm", 3)
     zero_lifetime.install(pin, policy="pin")
     pin_out = pin(x)
-    total = sum(p.ds_numel * p.element_size() for p in pin.module.parameters())
+    saved = params_saved_by_forward("mlp_norm", pin.module)
+    total = sum(p.ds_numel * p.element_size() for n, p in pin.module.named_parameters() if n in saved)
     stats = zero_lifetime.stats(pin)
-    assert stats["pinned_params"] == len(list(pin.module.parameters()))
+    assert stats["pinned_params"] == len(saved)
     assert stats["pinned_bytes"] == gathered_bytes(pin) == total
     # A retained graph simply dropped releases its pins when it is freed.
     del pin_out
@@ -99,8 +149,9 @@ def test_regather_keeps_stock_memory_and_pin_keeps_params():
 
 def test_pin_budget_falls_back_to_regather():
     engine, reference, ref_opt = make_pair("mlp_norm", 3)
-    sizes = sorted(p.ds_numel * p.element_size() for p in engine.module.parameters())
-    budget = sizes[-1]  # room for the largest param alone
+    saved = params_saved_by_forward("mlp_norm", engine.module)
+    sizes = sorted(p.ds_numel * p.element_size() for n, p in engine.module.named_parameters() if n in saved)
+    budget = sizes[-1]  # room for the largest saved param alone, not for all of them
     zero_lifetime.install(engine, policy="pin", max_pinned_bytes=budget)
     x = make_input("mlp_norm", 0)
     out = engine(x)
@@ -128,7 +179,7 @@ def test_gradient_penalty(stage):
 
     for step in range(2):
         x = make_input("mlp_norm", step)
-        penalty_step(engine, x).backward()
+        _backward(engine, penalty_step(engine, x))
         engine.step()
         penalty_step(reference, x).backward()
         ref_opt.step()

@@ -80,7 +80,8 @@ def test_multitask_matches_allreduced_torch(results, sc):
         assert not bad, f"rank {rank}: engine weights differ from torch (max abs diff per param): {bad}"
         if sc["stage"] in (1, 2):  # the fused fill ran, a few grads per fill, dividing by the world size
             assert record["fused_grads"] > record["fills"] > 0, record
-            assert record["prescaled_fills"] > 0, record
+            # DeepSpeed 0.17.6 always divides the bucket itself: the fill never prescales there.
+            assert (record["prescaled_fills"] > 0) == (worker.deepspeed_release() != "0.17.6"), record
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -9,6 +9,7 @@ reduction is linear, so the sum of reduced partitions is the reduced sum.
 """
 
 from .adapters.errors import require
+from .adapters.zero12_epilogue import Zero12EpilogueRule
 
 
 class Zero12Accumulation:
@@ -19,6 +20,7 @@ class Zero12Accumulation:
         self._original_epilogue = require(optimizer, "independent_gradient_partition_epilogue",
                                           "the ZeRO-1/2 gradient epilogue")
         self.cpu_offload = bool(getattr(optimizer, "cpu_offload", False))
+        self.rule = Zero12EpilogueRule(optimizer)  # 0.17.6: sums micro-steps the 0.18 way
         self.grads_pending = False  # a backward's reduced grads wait for step()
         self._carry = None  # partitions of earlier backwards, added back after the epilogue
         optimizer.independent_gradient_partition_epilogue = self._epilogue
@@ -39,7 +41,8 @@ class Zero12Accumulation:
         }
 
     def _epilogue(self, *args, **kwargs):
-        result = self._original_epilogue(*args, **kwargs)
+        with self.rule.around_epilogue():
+            result = self._original_epilogue(*args, **kwargs)
         if self._carry:
             averaged = self.optimizer.averaged_gradients
             for group, earlier in self._carry.items():

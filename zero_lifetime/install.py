@@ -9,7 +9,7 @@ import torch
 
 from . import config
 from .adapters.engine_config import raw_config
-from .adapters.errors import UnsupportedDeepSpeedError
+from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .backward_scope import BackwardScope
 from .reporting import StatsReporter, get_logger
 
@@ -38,15 +38,16 @@ class Installation:
     """What install() patched on one engine, and the state it keeps."""
 
     def __init__(self, engine, policy: str, max_pinned_bytes: int):
-        from .adapters.engine_backward import EngineBackward
+        from .adapters.engine_backward import make_engine_backward
 
+        require_supported_version()
         self.engine = engine
         self.policy = policy
         self.max_pinned_bytes = max_pinned_bytes
         self.stage = int(engine.zero_optimization_stage())
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
-        self.backward = EngineBackward(engine)
+        self.backward = None
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
@@ -60,6 +61,7 @@ class Installation:
         self.grad_guard = self.lifetime = self.fused = None
         self.accumulation = self.bucket_fill = self.window = None
         try:
+            self.backward = make_engine_backward(engine)
             self._install_components(engine, policy, max_pinned_bytes)
         except BaseException:
             self.restore()  # never leave an engine half-patched
@@ -94,7 +96,8 @@ class Installation:
         self._patch("backward", self._backward)
         self._patch("zero_grad", self._zero_grad)
         self._patch("step", self._step)
-        self._patch("scale", self._scale)
+        if self.backward.supports_torch_style_backward:  # engine.scale() comes with it (0.18+)
+            self._patch("scale", self._scale)
         self._patch("destroy", self._destroy)
         logger.info(SEMANTICS_NOTE)
 
@@ -128,6 +131,8 @@ class Installation:
             self.tracker.unregister_all()
         if self.grad_guard is not None:
             self.grad_guard.restore()
+        if self.backward is not None:
+            self.backward.restore()
 
     # ---- engine method wrappers ----------------------------------------------------------
 
@@ -211,6 +216,7 @@ class Installation:
     # ---- backward detection ----------------------------------------------------------------
 
     def _on_root_forward(self, module, inputs, output):
+        self.backward.note_forward()
         if self.lifetime is not None:
             self.lifetime.after_forward()
         forward = _ForwardOutputs()
@@ -274,6 +280,7 @@ class Installation:
             # epilogue must not run (its epilogue would reduce empty buckets).
             self.backward.suppress_output_hooks(managers)
         else:
+            self.backward.check_backward_entry()  # before anything reaches DeepSpeed
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()
                 if self.lifetime is not None:

@@ -57,6 +57,7 @@ class MicroStepWindow:
     def restore(self) -> None:
         if self._undo_stage1_patch is not None:
             self._undo_stage1_patch()
+        self.adapter.restore()
         if self._previous_instance_epilogue is None:
             self._optimizer.__dict__.pop("independent_gradient_partition_epilogue", None)
         else:

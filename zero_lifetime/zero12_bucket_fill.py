@@ -54,7 +54,8 @@ class Zero12BucketFill:
         comm_dtype = opt.get_param_comm_dtype(param)
         bucket = opt.ipg_buckets[comm_dtype]
         if bucket.elements + numel > opt.reduce_bucket_size:
-            opt.reduce_ipg_grads(comm_dtype=comm_dtype)  # flushes the pending fill first
+            self.buckets.reduce(opt.reduce_ipg_grads, comm_dtype)  # flushes the pending fill first
+            self.buckets.after_overflow_reduce()
             if opt.overlap_comm:
                 bucket.index = 1 - bucket.index
         if not getattr(param, "ds_grad_is_ready", True):
@@ -71,9 +72,8 @@ class Zero12BucketFill:
         pending.offsets.append(bucket.elements)
         pending.numel += numel
         if self.buckets.has_streams:
-            opt._record_gradient_stream(grad, self.buckets.current_stream())
             pending.streams.append(self.buckets.current_stream())
-        opt._record_bucket_producer(bucket)
+        self.buckets.record_producer(grad, bucket)
         bucket.elements += numel
         bucket.grads.append(grad)
         bucket.params.append((i, param.param_idx_in_group, param_id))
@@ -82,11 +82,11 @@ class Zero12BucketFill:
         return None
 
     def _reduce(self, comm_dtype=None):
-        dtypes = self.buckets.sorted_dtypes() if comm_dtype is None else [comm_dtype]
+        dtypes = self.buckets.dtypes_reduced_by(comm_dtype)
         if not any(self._can_prescale(dtype) for dtype in dtypes):
             for dtype in dtypes:
                 self._flush(dtype)
-            return self._original_reduce(comm_dtype=comm_dtype)
+            return self.buckets.reduce(self._original_reduce, comm_dtype)
         # One dtype at a time (what DeepSpeed does inside one call), so each bucket's
         # reduction knows whether its fill already divided it.
         for dtype in dtypes:
@@ -120,7 +120,7 @@ class Zero12BucketFill:
                     current.wait_stream(stream)
             self.buckets.wait_before_reusing(bucket)
             if self.optimizer.overlap_comm:
-                bucket.copy_streams.add(current)
+                self.buckets.note_copy_stream(bucket, current)
         else:
             self.buckets.wait_before_reusing(bucket)
         ops.bucket_fill(buffer, pending.grads, pending.offsets, scale)

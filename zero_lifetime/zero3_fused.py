@@ -95,7 +95,7 @@ class Zero3FusedCopies:
             pending.params.append(param)
             pending.offsets.append(bucket.elements)
         bucket.params.append(param)
-        bucket.process_group = buckets.partition_group(param)
+        buckets.note_partition_group(bucket, param)
         bucket.elements += numel
 
     def _fusable_grad(self, bucket, grad) -> bool:

@@ -1,79 +1,32 @@
-"""The engine's per-backward state: prologue/epilogue hooks and micro-step bookkeeping.
+"""The engine's per-backward state: which DeepSpeed backward protocol this engine runs.
 
-DeepSpeed runs its backward prologue from hooks on the forward outputs
-(``OutputBackwardHookManager``) at most once per forward, and queues its epilogue
-at most once per "step" (``BackwardHookStateManager``). A second backward over
-a retained graph therefore gets neither. These helpers re-arm both.
+Two protocols exist among the supported releases, told apart by probing:
+
+* hooked (0.19.8, ``engine_backward_hooked``): the prologue runs from hooks on the
+  forward outputs and the epilogue from a queued autograd callback, so a plain
+  ``loss.backward()`` works; a second backward over a retained graph gets neither
+  unless they are re-armed, and the micro step advances only at the next forward.
+* explicit (0.17.6, ``engine_backward_explicit``): ``engine.backward(loss)`` runs the
+  prologue, ``loss.backward()`` and the epilogue in turn; every such call is a whole
+  backward and advances the micro step itself. ``loss.backward()`` alone runs no
+  epilogue: DeepSpeed never reduces the last bucket.
 """
 
 import torch
 
-from .errors import require
 
-_HOOK_MANAGERS_ATTR = "_backward_hook_managers"
-
-
-class EngineBackward:
+class EngineBackwardBase:
+    """What both protocols do the same way."""
 
     def __init__(self, engine):
         self.engine = engine
         self.optimizer = engine.optimizer
-        require(engine, "_backward_prologue", "the engine backward prologue")
-        state = require(self.optimizer, "_backward_hook_state", "the ZeRO backward hook state")
-        for name in ("backward_active_depth", "backward_seen_this_step", "post_backward_callback_queued"):
-            require(state, name, "a ZeRO backward hook state field")
-        require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
-        from deepspeed.runtime.utils import OutputBackwardHookManager
-        # An instance attribute: probe a fresh manager (construction has no side effects).
-        require(OutputBackwardHookManager(lambda: None), "preprocess_done", "the output-hook once flag")
         if not hasattr(torch._C, "_current_graph_task_id"):
             raise RuntimeError("zero_lifetime needs torch._C._current_graph_task_id (torch >= 2.1)")
-
-    @property
-    def _state(self):
-        return self.optimizer._backward_hook_state
-
-    def backward_finished_since_forward(self) -> bool:
-        """A previous backward over the current forward ran to its end."""
-        state = self._state
-        return state.backward_seen_this_step and state.backward_active_depth == 0
-
-    def start_new_micro_step(self) -> None:
-        """What DeepSpeed does at the next forward: reset hook counters, advance the micro step."""
-        self.optimizer.clear_backward_seen_flag()
 
     def clear_reduced_grads(self) -> None:
         """Start the next backward from zero: ZeRO-3 resets its micro step (copy, not add)."""
         self.optimizer.zero_grad()
-
-    @staticmethod
-    def output_hook_managers(outputs) -> list:
-        """DeepSpeed's hook managers on a forward's outputs (they outlive the tensor objects)."""
-        return [manager for tensor in outputs for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ())]
-
-    @staticmethod
-    def rearm_output_hooks(managers) -> None:
-        """Let DeepSpeed's output hooks run its prologue again for the next backward."""
-        for manager in managers:
-            manager.preprocess_done = False
-
-    @staticmethod
-    def suppress_output_hooks(managers) -> None:
-        """Keep DeepSpeed's prologue from running for a graph task that accumulates nothing."""
-        for manager in managers:
-            manager.preprocess_done = True
-
-    def run_prologue(self) -> None:
-        """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
-        self.engine._backward_prologue()
-
-    def reset_after_failed_backward(self) -> None:
-        """An exception inside backward skipped DeepSpeed's epilogue: leave no backward open."""
-        state = self._state
-        state.backward_active_depth = 0
-        state.post_backward_callback_queued = False
-        state.post_backward_callback_graph_task_id = None
-        state.remaining_grad_acc_hooks = 0
 
     def discard_interrupted_reduction(self) -> None:
         """Drop the gradients an interrupted backward left in the reduction buckets.
@@ -101,3 +54,12 @@ class EngineBackward:
         for param in self.engine.module.parameters():
             param.grad = None
         optimizer.zero_grad()
+
+
+def make_engine_backward(engine):
+    """The adapter for the backward protocol the installed DeepSpeed runs."""
+    if hasattr(engine.optimizer, "_backward_hook_state"):
+        from .engine_backward_hooked import HookedEngineBackward
+        return HookedEngineBackward(engine)
+    from .engine_backward_explicit import ExplicitEngineBackward
+    return ExplicitEngineBackward(engine)

@@ -1,4 +1,4 @@
-"""DeepSpeed's per-micro-step gradient accumulators, stage by stage (0.19.8).
+"""DeepSpeed's per-micro-step gradient accumulators, stage by stage (0.19.8 and 0.17.6).
 
 Within one gradient-accumulation window DeepSpeed overwrites its accumulators at the
 first backward and adds to them afterwards. Two gaps follow, both fixed through the
@@ -8,6 +8,10 @@ names probed here:
   to what its accumulator held from the previous window;
 * with CPU optimizer offload only params that get a gradient in the boundary
   micro-step reach the fp32 optimizer buffers; the others are never updated.
+
+0.19.8 defers the offload boundary copy to ``_finalize_*offload_gradient_accumulation``
+over a window id set, which is reused here. 0.17.6 has no such finalizer (it copies per
+param as each is reduced): ``offload_window_legacy`` does that copy there.
 """
 
 from .errors import require
@@ -26,17 +30,24 @@ class GradWindowAdapter:
         if stage == 3:
             require(optimizer, _Z3_GRAD_PARTITIONS, "the ZeRO-3 gradient partitions")
             self.offload = bool(require(optimizer, "offload_optimizer", "the ZeRO-3 optimizer offload flag"))
-            if self.offload:
-                require(optimizer, "_offload_boundary_param_ids", "the ZeRO-3 offload window's params")
-                require(optimizer, "_finalize_offload_gradient_accumulation", "the ZeRO-3 offload finalize")
+            self._finalizer = ("_offload_boundary_param_ids", "_finalize_offload_gradient_accumulation")
         else:
             self.offload = bool(require(optimizer, "cpu_offload", "the ZeRO-1/2 CPU offload flag"))
+            self._finalizer = ("_offload_accumulated_param_ids", "_finalize_cpu_offload_gradient_accumulation")
             if self.offload:
                 require(optimizer, "accumulated_grads_in_cpu", "the ZeRO-1/2 offload accumulators")
-                require(optimizer, "_offload_accumulated_param_ids", "the ZeRO-1/2 offload window's params")
-                require(optimizer, "_finalize_cpu_offload_gradient_accumulation", "the ZeRO-1/2 offload finalize")
                 require(optimizer, "get_param_id", "the ZeRO-1/2 param ids")
                 require(optimizer, "reduce_ready_partitions_and_remove_grads", "the ZeRO-1/2 bucket entry")
+        # The deferred boundary copy (0.19.8); 0.17.6 has neither name.
+        self.can_finalize = hasattr(optimizer, self._finalizer[1])
+        self._legacy = None
+        if self.offload and self.can_finalize:
+            require(optimizer, self._finalizer[0], "the offload window's param ids")
+        elif self.offload:
+            from .offload_window_legacy import LegacyOffloadWindow
+            self._legacy = LegacyOffloadWindow(optimizer, stage, self.at_boundary)
+        # Stage 1/2 allocate their buckets and advance the micro step here, once per backward.
+        self._setup_buckets = "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
 
     def first_backward_of_window(self) -> bool:
         """Called as a backward starts, before DeepSpeed's hooks advance anything."""
@@ -56,19 +67,23 @@ class GradWindowAdapter:
                 cpu_grad.zero_()
 
     def at_boundary(self) -> bool:
-        return bool(self.optimizer.is_gradient_accumulation_boundary())
+        # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
+        flag = self.optimizer.is_gradient_accumulation_boundary
+        return bool(flag() if callable(flag) else flag)
 
     def finalize_offloaded(self, params) -> None:
         """DeepSpeed's own boundary copy into the fp32 buffers, for ``params`` only."""
         if not params:
             return
         optimizer = self.optimizer
+        if self._legacy is not None:
+            self._legacy.finalize(params)
+            return
+        ids_attr, finalize = self._finalizer[0], getattr(optimizer, self._finalizer[1])
         if self.stage == 3:
-            ids_attr, ids = "_offload_boundary_param_ids", {p.ds_id for p in params}
-            finalize = optimizer._finalize_offload_gradient_accumulation
+            ids = {p.ds_id for p in params}
         else:
-            ids_attr, ids = "_offload_accumulated_param_ids", {optimizer.get_param_id(p) for p in params}
-            finalize = optimizer._finalize_cpu_offload_gradient_accumulation
+            ids = {optimizer.get_param_id(p) for p in params}
         window_ids = getattr(optimizer, ids_attr)
         # The finalize walks the window's id set; narrow it to the params the boundary
         # backward did not process, then put the whole set back for step().
@@ -93,12 +108,12 @@ class GradWindowAdapter:
         if self.stage != 1:
             return None
         require(optimizer, "reduce_gradients", "the ZeRO-1 boundary reduction")
-        require(optimizer, "setup_buckets", "the ZeRO-1/2 bucket setup")
+        require(optimizer, self._setup_buckets, "the ZeRO-1/2 bucket setup")
         require(optimizer, "bit16_groups", "the ZeRO-1/2 param groups")
         require(optimizer, "overlap_comm", "the ZeRO overlap_comm flag")
         group_of = {id(p): i for i, group in enumerate(optimizer.bit16_groups) for p in group}
         original_reduce = optimizer.reduce_gradients
-        original_setup = optimizer.setup_buckets
+        original_setup = getattr(optimizer, self._setup_buckets)
 
         def reduce_gradients(*args, **kwargs):
             # Without overlap_comm DeepSpeed walks every param with a gradient itself.
@@ -111,16 +126,20 @@ class GradWindowAdapter:
 
         def setup_buckets(*args, **kwargs):
             result = original_setup(*args, **kwargs)
-            if self.offload and optimizer.is_gradient_accumulation_boundary():
+            if self.offload and self.at_boundary():
                 # torch already summed the window in param.grad: copy, do not add the CPU one.
                 optimizer.micro_step_id = 0
             return result
 
         optimizer.reduce_gradients = reduce_gradients
-        optimizer.setup_buckets = setup_buckets
+        setattr(optimizer, self._setup_buckets, setup_buckets)
 
         def undo():
             optimizer.__dict__.pop("reduce_gradients", None)
-            optimizer.__dict__.pop("setup_buckets", None)
+            optimizer.__dict__.pop(self._setup_buckets, None)
 
         return undo
+
+    def restore(self) -> None:
+        if self._legacy is not None:
+            self._legacy.restore()

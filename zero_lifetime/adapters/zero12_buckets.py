@@ -1,12 +1,21 @@
-"""ZeRO-1/2 IPG bucket internals (DeepSpeed 0.19.8, stage_1_and_2.py).
+"""ZeRO-1/2 IPG bucket internals (stage_1_and_2.py of DeepSpeed 0.19.8 and 0.17.6).
 
 The bucket state lives in ``optimizer.ipg_buckets[comm_dtype]`` (``buffer`` list,
-``index``, ``elements``, ``params``, ``grads``, ``copy_streams``, ``reuse_events``);
-``reduce_independent_p_g_buckets_and_remove_grads`` adds one param's gradient and
-``reduce_ipg_grads`` reduces what a bucket holds.
+``index``, ``elements``, ``params``, ``grads``); ``reduce_independent_p_g_buckets_and_remove_grads``
+adds one param's gradient and ``reduce_ipg_grads`` reduces bucket contents.
+
+What 0.17.6 lacks, probed here (``per_dtype_reduce`` tells which protocol runs):
+
+* ``reduce_ipg_grads(comm_dtype=...)`` (0.18.5): 0.17.6 reduces every dtype's bucket in one call;
+* the offload stream safety (``_offload_gradient_safety_enabled``, ``_record_gradient_stream``,
+  ``_record_bucket_producer``, per-bucket ``copy_streams`` / ``reuse_events``): 0.17.6 instead
+  makes the reduction and current streams wait on each other after an overflow flush;
+* ``gradient_average`` honoured by ``average_tensor``'s reduce-scatter division: 0.17.6 always
+  divides, so the fill never applies the division itself there.
 """
 
 import contextlib
+import inspect
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -14,7 +23,8 @@ from deepspeed.moe.utils import is_moe_param
 
 from .errors import require
 
-_BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads", "copy_streams", "reuse_events")
+_BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads")
+_STREAM_SAFETY = ("_offload_gradient_safety_enabled", "_record_gradient_stream", "_record_bucket_producer")
 
 
 class Zero12Buckets:
@@ -32,18 +42,20 @@ class Zero12Buckets:
             ("reduce_bucket_size", "the bucket size"),
             ("contiguous_gradients", "the contiguous_gradients flag"),
             ("overlap_comm", "the overlap_comm flag"),
-            ("_offload_gradient_safety_enabled", "the offload stream-safety flag"),
-            ("_record_gradient_stream", "the gradient stream recording"),
-            ("_record_bucket_producer", "the bucket producer events"),
             ("reduce_scatter", "the reduce_scatter flag"),
-            ("gradient_average", "the gradient averaging flag"),
             ("dp_process_group", "the data-parallel group"),
             ("sequence_parallel_size", "the sequence-parallel size"),
             ("extra_large_param_to_reduce", "the oversized-gradient slots"),
         ):
             require(optimizer, name, f"ZeRO-1/2 {what}")
+        # 0.18.5+ protocol: per-dtype reduction, stream safety, a skippable division.
+        self.per_dtype_reduce = "comm_dtype" in inspect.signature(optimizer.reduce_ipg_grads).parameters
+        if self.per_dtype_reduce:
+            require(optimizer, "gradient_average", "the ZeRO-1/2 gradient averaging flag")
+            for name in _STREAM_SAFETY:
+                require(optimizer, name, "the ZeRO-1/2 offload stream safety")
         for bucket in optimizer.ipg_buckets.values():
-            for name in _BUCKET_ATTRS:
+            for name in _BUCKET_ATTRS + (("copy_streams", "reuse_events") if self.per_dtype_reduce else ()):
                 require(bucket, name, "an IPG bucket field")
         import deepspeed.runtime.zero.stage_1_and_2 as stage12
         self._sort_dtypes = require(stage12, "sort_dtypes", "DeepSpeed's bucket dtype order")
@@ -61,16 +73,51 @@ class Zero12Buckets:
     def wait_before_reusing(self, bucket) -> None:
         """DeepSpeed's offload safety: the buffer must not be rewritten before the
         reduction that last read it (recorded per buffer index) has finished."""
-        if self.optimizer._offload_gradient_safety_enabled and bucket.index in bucket.reuse_events:
+        if (self.per_dtype_reduce and self.optimizer._offload_gradient_safety_enabled
+                and bucket.index in bucket.reuse_events):
             self.current_stream().wait_event(bucket.reuse_events[bucket.index])
+
+    def record_producer(self, grad, bucket) -> None:
+        """What the stock add records for the offload stream safety (0.18.5+; nothing on 0.17.6)."""
+        if not self.per_dtype_reduce:
+            return
+        if self.has_streams:
+            self.optimizer._record_gradient_stream(grad, self.current_stream())
+        self.optimizer._record_bucket_producer(bucket)
+
+    def note_copy_stream(self, bucket, stream) -> None:
+        """The reduction waits on every stream that copied into the bucket (0.19.3+)."""
+        if self.per_dtype_reduce:
+            bucket.copy_streams.add(stream)
+
+    def reduce(self, reduce_ipg_grads, comm_dtype) -> None:
+        """Call ``reduce_ipg_grads`` (stock or wrapped) for ``comm_dtype``: on 0.17.6 for every dtype."""
+        if self.per_dtype_reduce:
+            reduce_ipg_grads(comm_dtype=comm_dtype)
+        else:
+            reduce_ipg_grads()
+
+    def dtypes_reduced_by(self, comm_dtype):
+        """The buckets one reduce_ipg_grads call reads, in DeepSpeed's order."""
+        if comm_dtype is None or not self.per_dtype_reduce:
+            return self.sorted_dtypes()
+        return [comm_dtype]
+
+    def after_overflow_reduce(self) -> None:
+        """0.17.6's ordering after a flush (0.19.8 orders with reuse_events instead)."""
+        opt = self.optimizer
+        if not self.per_dtype_reduce and opt.overlap_comm and self.has_streams:
+            opt.reduction_stream.wait_stream(self.current_stream())
+            self.current_stream().wait_stream(opt.reduction_stream)
 
     def sorted_dtypes(self):
         return self._sort_dtypes(self.optimizer.ipg_buckets.keys())  # DeepSpeed's reduction order
 
     def divides_bucket_before_reduce(self, comm_dtype) -> bool:
-        """average_tensor's reduce_scatter path divides the bucket in place first."""
+        """average_tensor's reduce_scatter path divides the bucket in place first, and
+        skips that when gradient_average is off (0.18.5+; 0.17.6 always divides)."""
         opt = self.optimizer
-        return (opt.reduce_scatter and opt.gradient_average and opt.contiguous_gradients
+        return (self.per_dtype_reduce and opt.reduce_scatter and opt.gradient_average and opt.contiguous_gradients
                 and comm_dtype not in opt.extra_large_param_to_reduce and self.average_factor() != 1.0)
 
     def average_factor(self) -> float:

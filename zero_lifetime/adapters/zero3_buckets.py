@@ -1,6 +1,6 @@
 """ZeRO-3 gradient buckets and coalesced all-gather handles: the private names the fused copies use.
 
-Two DeepSpeed 0.19.8 copy loops are replaced (see ``zero_lifetime/zero3_fused.py``):
+Two DeepSpeed copy loops (0.19.8 and 0.17.6 alike) are replaced (see ``zero_lifetime/zero3_fused.py``):
 
 * ``DeepSpeedZeroOptimizer_Stage3.__add_grad_to_ipg_bucket`` copies each gradient into
   the IPG bucket buffer; ``__reduce_and_partition_ipg_grads`` flushes a bucket. Both are
@@ -10,6 +10,9 @@ Two DeepSpeed 0.19.8 copy loops are replaced (see ``zero_lifetime/zero3_fused.py
   per param. The coordinator obtains these handles from the per-param instance attribute
   ``param.all_gather_coalesced``; wrapping that attribute on one engine's params reaches
   exactly that engine's handles, so the class itself is never patched.
+
+0.17.6 differs only in the bucket: no ZenFlow on stage 3 and no per-bucket
+``process_group`` (``_get_param_partition_group``, 0.18+), so both are probed.
 """
 
 import inspect
@@ -36,9 +39,12 @@ class Zero3Buckets:
         for name in (ADD_GRAD, REDUCE_BUCKET):
             require(DeepSpeedZeroOptimizer_Stage3, name, "a ZeRO-3 IPG bucket method")
         for name in ("ipg_buckets", "contiguous_gradients", "reduce_bucket_size", "reduce_and_partition_stream",
-                     "zenflow", "get_param_comm_dtype", "_get_param_partition_group"):
+                     "get_param_comm_dtype"):
             require(optimizer, name, "a ZeRO-3 IPG bucket attribute")
-        for name in _BUCKET_FIELDS:
+        # Each bucket records its param's partition group from 0.18 on (0.17.6: one group).
+        self._has_bucket_group = hasattr(optimizer, "_get_param_partition_group")
+        fields = _BUCKET_FIELDS if self._has_bucket_group else _BUCKET_FIELDS[:-1]
+        for name in fields:
             require(IPGBucketZ3(), name, "an IPG bucket field")
         self._overridden = []
 
@@ -65,8 +71,10 @@ class Zero3Buckets:
     def bucket_of_dtype(self, comm_dtype):
         return self.optimizer.ipg_buckets[comm_dtype]
 
-    def partition_group(self, param):
-        return self.optimizer._get_param_partition_group(param)
+    def note_partition_group(self, bucket, param) -> None:
+        """What the stock add records about the param's partition group, where it records it."""
+        if self._has_bucket_group:
+            bucket.process_group = self.optimizer._get_param_partition_group(param)
 
     @property
     def reduce_stream(self):
@@ -75,7 +83,7 @@ class Zero3Buckets:
     @property
     def zenflow(self) -> bool:
         # ZenFlow copies transposed gradients into the bucket: left to the stock method.
-        return bool(self.optimizer.zenflow)
+        return bool(getattr(self.optimizer, "zenflow", False))  # 0.17.6's stage 3 has none
 
     def goes_into_buffer(self, bucket, numel: int) -> bool:
         """The stock rule for copying a gradient into the bucket buffer (else it stays standalone)."""

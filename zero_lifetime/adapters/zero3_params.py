@@ -30,7 +30,6 @@ class Zero3Params:
         coordinator = self.coordinator()
         require(type(coordinator), _RELEASE, "the coordinator's single-param release")
         require(coordinator, _INFLIGHT, "the coordinator's in-flight param registry")
-        require(coordinator, "release_backward_leftovers", "the coordinator's backward clean-up")
         sample = next(iter(engine.module.parameters()))
         for attr in ("ds_id", "ds_status", "ds_tensor", "ds_active_sub_modules", "ds_numel", "all_gather"):
             require(sample, attr, "a ZeRO-3 parameter attribute")
@@ -66,7 +65,11 @@ class Zero3Params:
 
     def release_backward_leftovers(self, params) -> None:
         """After an interrupted backward: modules whose post-backward never ran still hold params."""
-        require(self.coordinator(), "release_backward_leftovers", "the coordinator's backward clean-up")()
+        # 0.19.8 keeps a registry of modules in backward and drains it here; 0.17.6 has
+        # none (nothing to drain): clearing each param's active modules below suffices there.
+        drain = getattr(self.coordinator(), "release_backward_leftovers", None)
+        if drain is not None:
+            drain()
         for param in params:
             param.ds_active_sub_modules.clear()
             self.release(param)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The engine tests (every test that builds a DeepSpeed engine) against DeepSpeed 0.17.6,
+# in its own venv (.venv-ds0176, made on first use). Extra arguments go to pytest.
+# The DeepSpeed-independent tests (ops, tracker, native, bench) run once, under scripts/test.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENGINE_TESTS=(tests/test_retain_graph.py tests/test_install_api.py tests/test_grad_hooks.py
+  tests/test_micro_step_window.py tests/test_zero12_bucket_fill.py tests/test_zero3_fused.py
+  tests/test_two_ranks.py tests/test_faults.py tests/test_soak.py tests/test_hf_trainer.py
+  tests/test_config_section.py tests/test_reporting.py tests/test_env_report.py tests/test_launchers.py)
+ZL_DEEPSPEED=0.17.6 exec bash scripts/test.sh "${ENGINE_TESTS[@]}" "$@"

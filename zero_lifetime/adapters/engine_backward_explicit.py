@@ -1,0 +1,88 @@
+"""The explicit backward protocol (DeepSpeed 0.17.6): ``engine.backward`` does it all.
+
+``engine.backward(loss)`` runs ``_backward_prologue`` (loss scaling by the
+accumulation steps), ``loss.backward()`` and ``_backward_epilogue`` (the bucket
+reduction) in turn. Every call is a complete backward and advances the micro step
+itself (stage 1/2 in ``backward_prologue`` at the first gradient hook, stage 3 at the
+end of its epilogue), so a second backward over a retained graph needs no re-arming.
+There are no hooks on the forward outputs.
+
+A plain ``loss.backward()`` (or ``engine.scale(loss).backward()``, which 0.17.6 does
+not have) runs neither prologue nor epilogue: the last bucket is never reduced and the
+step applies partial gradients. That path exists from DeepSpeed 0.18 on; here it is
+refused with an error at the first gradient, before DeepSpeed sees it.
+"""
+
+from .engine_backward import EngineBackwardBase
+from .errors import require, unsupported_feature
+
+_WRAPPED = ("_backward_prologue", "_backward_epilogue")
+
+
+class ExplicitEngineBackward(EngineBackwardBase):
+
+    supports_torch_style_backward = False
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        for name in _WRAPPED:
+            require(engine, name, "the engine backward prologue/epilogue")
+        require(self.optimizer, "independent_gradient_partition_epilogue", "the ZeRO gradient epilogue")
+        self._inside_engine_backward = False
+        self._finished_since_forward = False
+        original_prologue, original_epilogue = engine._backward_prologue, engine._backward_epilogue
+
+        def prologue(*args, **kwargs):
+            self._inside_engine_backward = True
+            return original_prologue(*args, **kwargs)
+
+        def epilogue(*args, **kwargs):
+            try:
+                return original_epilogue(*args, **kwargs)
+            finally:
+                self._inside_engine_backward = False
+                self._finished_since_forward = True
+
+        engine.__dict__["_backward_prologue"] = prologue
+        engine.__dict__["_backward_epilogue"] = epilogue
+
+    def backward_finished_since_forward(self) -> bool:
+        """A previous engine.backward over the current forward ran to its end."""
+        return self._finished_since_forward
+
+    def note_forward(self) -> None:
+        self._finished_since_forward = False
+
+    def check_backward_entry(self) -> None:
+        """Refuse a backward that accumulates gradients outside engine.backward()."""
+        if not self._inside_engine_backward:
+            raise unsupported_feature(
+                "loss.backward() without engine.backward(loss)",
+                "this DeepSpeed reduces gradients only inside engine.backward(loss) (the torch-style "
+                "backward exists from DeepSpeed 0.18 on); call engine.backward(loss, retain_graph=...) instead")
+
+    def start_new_micro_step(self) -> None:
+        """DeepSpeed advanced the micro step when the previous backward ended."""
+
+    @staticmethod
+    def output_hook_managers(outputs) -> list:
+        return []  # no hooks on the forward outputs in this protocol
+
+    @staticmethod
+    def rearm_output_hooks(managers) -> None:
+        pass
+
+    @staticmethod
+    def suppress_output_hooks(managers) -> None:
+        pass
+
+    def run_prologue(self) -> None:
+        """engine.backward() already ran it (check_backward_entry refused any other entry)."""
+
+    def reset_after_failed_backward(self) -> None:
+        """An exception inside loss.backward() skipped the epilogue."""
+        self._inside_engine_backward = False
+
+    def restore(self) -> None:
+        for name in _WRAPPED:
+            self.engine.__dict__.pop(name, None)

@@ -1,0 +1,80 @@
+"""The hooked backward protocol (DeepSpeed 0.19.8): prologue/epilogue hooks, micro steps.
+
+DeepSpeed runs its backward prologue from hooks on the forward outputs
+(``OutputBackwardHookManager``) at most once per forward, and queues its epilogue
+at most once per "step" (``BackwardHookStateManager``). A second backward over
+a retained graph therefore gets neither. These helpers re-arm both.
+"""
+
+from .engine_backward import EngineBackwardBase
+from .errors import require
+
+_HOOK_MANAGERS_ATTR = "_backward_hook_managers"
+
+
+class HookedEngineBackward(EngineBackwardBase):
+
+    # DeepSpeed runs its own prologue and epilogue for a plain loss.backward().
+    supports_torch_style_backward = True
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        require(engine, "_backward_prologue", "the engine backward prologue")
+        state = require(self.optimizer, "_backward_hook_state", "the ZeRO backward hook state")
+        for name in ("backward_active_depth", "backward_seen_this_step", "post_backward_callback_queued"):
+            require(state, name, "a ZeRO backward hook state field")
+        require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
+        from deepspeed.runtime.utils import OutputBackwardHookManager
+        # An instance attribute: probe a fresh manager (construction has no side effects).
+        require(OutputBackwardHookManager(lambda: None), "preprocess_done", "the output-hook once flag")
+
+    @property
+    def _state(self):
+        return self.optimizer._backward_hook_state
+
+    def backward_finished_since_forward(self) -> bool:
+        """A previous backward over the current forward ran to its end."""
+        state = self._state
+        return state.backward_seen_this_step and state.backward_active_depth == 0
+
+    def note_forward(self) -> None:
+        """DeepSpeed itself resets its per-forward state (clear_backward_seen_flag)."""
+
+    def check_backward_entry(self) -> None:
+        """Every way into a backward is supported."""
+
+    def start_new_micro_step(self) -> None:
+        """What DeepSpeed does at the next forward: reset hook counters, advance the micro step."""
+        self.optimizer.clear_backward_seen_flag()
+
+    @staticmethod
+    def output_hook_managers(outputs) -> list:
+        """DeepSpeed's hook managers on a forward's outputs (they outlive the tensor objects)."""
+        return [manager for tensor in outputs for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ())]
+
+    @staticmethod
+    def rearm_output_hooks(managers) -> None:
+        """Let DeepSpeed's output hooks run its prologue again for the next backward."""
+        for manager in managers:
+            manager.preprocess_done = False
+
+    @staticmethod
+    def suppress_output_hooks(managers) -> None:
+        """Keep DeepSpeed's prologue from running for a graph task that accumulates nothing."""
+        for manager in managers:
+            manager.preprocess_done = True
+
+    def run_prologue(self) -> None:
+        """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
+        self.engine._backward_prologue()
+
+    def reset_after_failed_backward(self) -> None:
+        """An exception inside backward skipped DeepSpeed's epilogue: leave no backward open."""
+        state = self._state
+        state.backward_active_depth = 0
+        state.post_backward_callback_queued = False
+        state.post_backward_callback_graph_task_id = None
+        state.remaining_grad_acc_hooks = 0
+
+    def restore(self) -> None:
+        """Nothing patched."""
