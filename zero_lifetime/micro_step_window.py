@@ -1,9 +1,9 @@
 """No gradient lost across the micro-steps of one gradient-accumulation window.
 
 Multi-task training (one backward per task, each task with its own head, GAS = the
-number of tasks) is where DeepSpeed 0.19.8 goes wrong: a head that gets a gradient only
-in its own micro-step either adds to the previous window's stale gradient (ZeRO-3, and
-ZeRO-1/2 with CPU offload) or, with CPU offload, never reaches the optimizer. This
+number of tasks) is where DeepSpeed (0.19.8 and 0.17.6) goes wrong: a head that gets a
+gradient only in its own micro-step either adds to the previous window's stale gradient
+(ZeRO-3, and ZeRO-1/2 with CPU offload) or, with CPU offload, never reaches the optimizer. This
 tracks which params got a gradient in the window and in the running backward, clears
 stale accumulators on a param's first gradient of the window, and at the boundary runs
 DeepSpeed's own offload copy for the params the boundary backward did not touch.

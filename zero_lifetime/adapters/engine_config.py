@@ -1,4 +1,4 @@
-"""The raw JSON config a DeepSpeed engine was built from (DeepSpeed 0.19.8)."""
+"""The raw JSON config a DeepSpeed engine was built from (DeepSpeed 0.19.8 and 0.17.6 alike)."""
 
 from .errors import require
 

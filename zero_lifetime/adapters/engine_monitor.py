@@ -1,4 +1,4 @@
-"""DeepSpeed's monitor (TensorBoard / W&B / CSV / Comet) of an engine (DeepSpeed 0.19.8)."""
+"""DeepSpeed's monitor (TensorBoard / W&B / CSV / Comet) of an engine (DeepSpeed 0.19.8 and 0.17.6)."""
 
 from .errors import require
 
