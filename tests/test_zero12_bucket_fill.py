@@ -90,3 +90,24 @@ def test_uninstall_restores_the_per_param_path():
     zero_lifetime.uninstall(engine)
     assert (optimizer.reduce_independent_p_g_buckets_and_remove_grads, optimizer.reduce_ipg_grads) == originals
     assert "reduce_ipg_grads" not in optimizer.__dict__
+
+
+@pytest.mark.parametrize("source_readable", [True, False])
+def test_epilogue_rule_fix_follows_the_release_even_without_source(monkeypatch, source_readable):
+    """0.17.6's epilogue sums micro-steps by the wrong test; the fix is found by reading
+    DeepSpeed's source, and by the release when no source can be read (.pyc-only installs)."""
+    import inspect
+
+    from zero_lifetime.adapters import zero12_epilogue
+    from zero_lifetime.adapters.errors import deepspeed_version
+    from harness import make_pair
+    engine, _, _ = make_pair("mlp_norm", 2)
+    try:
+        if not source_readable:
+            def no_source(obj):
+                raise OSError("could not get source code")
+            monkeypatch.setattr(inspect, "getsource", no_source)
+        rule = zero12_epilogue.Zero12EpilogueRule(engine.optimizer)
+        assert rule.needs_fix == (deepspeed_version() == "0.17.6")
+    finally:
+        engine.destroy()

@@ -263,7 +263,7 @@ def test_fused_wait_matches_stock_wait(groups, gather_dtype, op_calls):
 
 # ---- two ranks: the real coalesced gathers ------------------------------------------------
 
-SPAWN_DEADLINE_S = 150
+SPAWN_DEADLINE_S = 400  # only reached when something hangs; busy shared cores slow a passing run a lot
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ first one already freed (``TypeError: 'NoneType' object is not iterable``).
 import contextlib
 import inspect
 
-from .errors import require
+from .errors import deepspeed_version, require
 
 _BROKEN_RULE = "self.averaged_gradients[i] is None"
+_RELEASES_WITH_BROKEN_RULE = ("0.17.6", )
 _RUNNING = object()  # stands in for averaged_gradients[i] while a sum runs
 
 
@@ -28,9 +29,11 @@ class Zero12EpilogueRule:
         self._groups = len(require(optimizer, "bit16_groups", "the ZeRO-1/2 param groups"))
         try:
             source = inspect.getsource(type(optimizer).independent_gradient_partition_epilogue)
+            self.needs_fix = _BROKEN_RULE in source
         except (OSError, TypeError):
-            source = ""
-        self.needs_fix = _BROKEN_RULE in source
+            # No source to read (a .pyc-only install): go by the release, never silently
+            # leave 0.17.6's accumulation wrong.
+            self.needs_fix = deepspeed_version() in _RELEASES_WITH_BROKEN_RULE
 
     @contextlib.contextmanager
     def around_epilogue(self):
