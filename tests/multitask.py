@@ -2,9 +2,12 @@
 
 A shared trunk and one head per task. "per_task": one backward per task, GAS = number
 of tasks, so the heads of tasks 0 and 1 get gradients only in their own non-boundary
-micro-step. "summed": one backward of the summed task losses, GAS 1. Used by the
-1-rank tests and by the 2-rank worker (each rank trains on its own data shard; the
-oracle all-reduces plain torch gradients).
+micro-step. "summed": one backward of the summed task losses, GAS 1. Two modes where
+a head gets no gradient in a step, so torch leaves it where it is: "sampled" trains
+a different subset of the tasks each step; "zero_grad_between" runs two backwards
+over one forward with zero_grad() between them, and the second loss never reaches
+head 0. Used by the 1-rank tests and by the 2-rank worker (each rank trains on its
+own data shard; the oracle all-reduces plain torch gradients).
 """
 
 import copy
@@ -25,11 +28,28 @@ class MultiTask(torch.nn.Module):
         self.trunk = torch.nn.Linear(8, 16)
         self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 4) for _ in range(tasks))
 
-    def forward(self, x, task: int):
-        return self.heads[task](torch.tanh(self.trunk(x)))
+    def forward(self, x, task):
+        """One head's output, or a tuple of them for a tuple of tasks (one trunk pass)."""
+        hidden = torch.tanh(self.trunk(x))
+        if isinstance(task, tuple):
+            return tuple(self.heads[t](hidden) for t in task)
+        return self.heads[task](hidden)
 
 
-def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100):
+SAMPLED_TASKS = [(0, 1), (1,), (2, 1), (1,)]  # head 0 only in step 0, head 2 from step 2
+
+
+def sampled_tasks(step: int):
+    return SAMPLED_TASKS[step % len(SAMPLED_TASKS)]
+
+
+def zero_grad_between_losses(out):
+    """Both heads in the first loss; the second (after zero_grad) reaches head 1 only."""
+    first, second = out
+    return task_loss(first) + task_loss(second), 2 * task_loss(second)
+
+
+def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, clip: float = 0.0):
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
             "reduce_bucket_size": bucket}  # tiny: several flushes per backward, trunk.weight (128) bypasses
     if stage == 3:
@@ -41,7 +61,7 @@ def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100):
         "gradient_accumulation_steps": TASKS if mode == "per_task" else 1,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": clip,
         "zero_optimization": zero,
     }
     if dtype == "bf16":
@@ -64,7 +84,8 @@ def make_models(seed: int = 0):
     return model, copy.deepcopy(model)
 
 
-def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp32"):
+def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp32", path: str = "engine"):
+    """path: "engine" (engine.backward) or "manual" (loss.backward), for zero_grad_between."""
     cast = (lambda x: x.to(torch.bfloat16)) if dtype == "bf16" else (lambda x: x)
     for step in range(steps):
         xs = batches(step, rank)
@@ -72,12 +93,24 @@ def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp3
             for task in range(TASKS):
                 engine.backward(task_loss(engine(cast(xs[task]), task)))
                 engine.step()
+        elif mode == "zero_grad_between":
+            first, second = zero_grad_between_losses(engine(cast(xs[0]), (0, 1)))
+            if path == "engine":
+                engine.backward(first, retain_graph=True)
+                engine.zero_grad()
+                engine.backward(second)
+            else:
+                first.backward(retain_graph=True)
+                engine.zero_grad()
+                second.backward()
+            engine.step()
         else:
-            engine.backward(sum(task_loss(engine(cast(xs[t]), t)) for t in range(TASKS)))
+            tasks = sampled_tasks(step) if mode == "sampled" else range(TASKS)
+            engine.backward(sum(task_loss(engine(cast(xs[t]), t)) for t in tasks))
             engine.step()
 
 
-def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1):
+def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1, clip: float = 0.0):
     """Plain torch SGD; with world > 1 the gradients are all-reduced (averaged) per step."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(steps):
@@ -85,19 +118,27 @@ def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1)
         if mode == "per_task":
             for task in range(TASKS):  # DeepSpeed scales each micro-step's loss by 1/GAS
                 (task_loss(model(xs[task], task)) / TASKS).backward()
+        elif mode == "zero_grad_between":
+            first, second = zero_grad_between_losses(model(xs[0], (0, 1)))
+            first.backward(retain_graph=True)
+            opt.zero_grad()  # set_to_none: head 0 gets no gradient, so SGD leaves it
+            second.backward()
         else:
-            sum(task_loss(model(xs[t], t)) for t in range(TASKS)).backward()
+            tasks = sampled_tasks(step) if mode == "sampled" else range(TASKS)
+            sum(task_loss(model(xs[t], t)) for t in tasks).backward()
         if world > 1:
             for p in model.parameters():
                 if p.grad is not None:
                     torch.distributed.all_reduce(p.grad)
                     p.grad /= world
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
 
 
-def build_engine(model, stage: int, mode: str, offload: bool, dtype: str):
-    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype),
+def build_engine(model, stage: int, mode: str, offload: bool, dtype: str, clip: float = 0.0):
+    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype, clip=clip),
                                       model_parameters=model.parameters())
     return engine
 

@@ -177,6 +177,7 @@ class Installation:
             # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
             # optimizer holds must go too, or a following backward would add to them.
             self.backward.clear_reduced_grads()
+            self.window.grads_cleared()
             return result
 
         return zero_grad
@@ -186,6 +187,8 @@ class Installation:
         def step(*args, **kwargs):
             self.recover_if_backward_died()
             boundary = self.engine.is_gradient_accumulation_boundary()
+            if boundary:
+                self.window.before_step()
             result = original(*args, **kwargs)
             if self.accumulation is not None:
                 self.accumulation.grads_cleared()

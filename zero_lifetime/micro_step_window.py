@@ -7,6 +7,11 @@ gradient only in its own micro-step either adds to the previous window's stale g
 tracks which params got a gradient in the window and in the running backward, clears
 stale accumulators on a param's first gradient of the window, and at the boundary runs
 DeepSpeed's own offload copy for the params the boundary backward did not touch.
+
+A param with no gradient in a window must not move (torch leaves its .grad None), but
+DeepSpeed keeps what its stores held from an earlier window and step() applies it again:
+ZeRO-3, and ZeRO-1/2 with offload, on 0.19.8 and 0.17.6 alike. Before each step the
+stores of such params are zeroed. zero_grad() ends the window, as torch's does.
 """
 
 from .adapters.grad_window import GradWindowAdapter
@@ -20,6 +25,9 @@ class MicroStepWindow:
         self._params = list(params)
         self._in_window = set()        # params with a gradient since the window began (by id)
         self._this_backward = {}       # id -> param, for the running backward
+        # Params whose stores may hold a gradient: all of them until the first step
+        # (install may come after steps), then those that got one since the last.
+        self._maybe_holding = {id(p) for p in self._params}
         self._first_backward = True
         # Another wrapper (Zero12Accumulation) may already sit on the instance: keep it.
         self._previous_instance_epilogue = optimizer.__dict__.get("independent_gradient_partition_epilogue")
@@ -41,11 +49,25 @@ class MicroStepWindow:
         self._this_backward[key] = param
         if key not in self._in_window:
             self._in_window.add(key)
+            self._maybe_holding.add(key)
             if not self._first_backward:
                 self.adapter.clear_stale_accumulator(param)
 
     def params_this_backward(self):
         return list(self._this_backward.values())
+
+    def grads_cleared(self) -> None:
+        """zero_grad(): what the window gathered so far is gone."""
+        self.adapter.forget_window()
+        self._in_window.clear()
+
+    def before_step(self) -> None:
+        """At a boundary step: zero the stale stores of params with no gradient in the window."""
+        if not self.adapter.keeps_gradients_across_windows:
+            return
+        stale = [p for p in self._params if id(p) in self._maybe_holding and id(p) not in self._in_window]
+        self.adapter.discard_gradients(stale)
+        self._maybe_holding = set(self._in_window)
 
     def _epilogue(self, *args, **kwargs):
         result = self._original_epilogue(*args, **kwargs)

@@ -1,21 +1,24 @@
 """DeepSpeed's per-micro-step gradient accumulators, stage by stage (0.19.8 and 0.17.6).
 
 Within one gradient-accumulation window DeepSpeed overwrites its accumulators at the
-first backward and adds to them afterwards. Two gaps follow, both fixed through the
+first backward and adds to them afterwards. Three gaps follow, all fixed through the
 names probed here:
 
 * a param whose first gradient of the window comes in a later micro-step is *added*
   to what its accumulator held from the previous window;
 * with CPU optimizer offload only params that get a gradient in the boundary
-  micro-step reach the fp32 optimizer buffers; the others are never updated.
+  micro-step reach the fp32 optimizer buffers; the others are never updated;
+* a param that gets no gradient in a window keeps what its stores held from an
+  earlier one, and step() applies that again (ZeRO-3, and ZeRO-1/2 with offload).
 
 0.19.8 defers the offload boundary copy to ``_finalize_*offload_gradient_accumulation``
 over a window id set, which is reused here. 0.17.6 has no such finalizer (it copies per
 param as each is reduced): ``offload_window_legacy`` does that copy there.
 """
 
-from .errors import require
+from .errors import require, unsupported_feature
 
+_INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
@@ -38,6 +41,14 @@ class GradWindowAdapter:
                 require(optimizer, "accumulated_grads_in_cpu", "the ZeRO-1/2 offload accumulators")
                 require(optimizer, "get_param_id", "the ZeRO-1/2 param ids")
                 require(optimizer, "reduce_ready_partitions_and_remove_grads", "the ZeRO-1/2 bucket entry")
+                require(optimizer, "single_partition_of_fp32_groups", "the ZeRO-1/2 fp32 partitions")
+        if self.offload:
+            require(optimizer, "grad_position", "the offloaded gradients' places in the fp32 buffers")
+            require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms")
+            if stage == 3:
+                require(optimizer, "fp32_partitioned_groups_flat", "the ZeRO-3 fp32 partitions")
+                require(optimizer, "_swappable_optimizer_subgroup", "the ZeRO-3 NVMe subgroup test")
+                require(optimizer, "get_param_id", "the ZeRO-3 param ids")
         # The deferred boundary copy (0.19.8); 0.17.6 has neither name.
         self.can_finalize = hasattr(optimizer, self._finalizer[1])
         self._legacy = None
@@ -65,6 +76,60 @@ class GradWindowAdapter:
             cpu_grad = self.optimizer.accumulated_grads_in_cpu.get(self.optimizer.get_param_id(param))
             if cpu_grad is not None:
                 cpu_grad.zero_()
+
+    @property
+    def keeps_gradients_across_windows(self) -> bool:
+        """Does any store step() reads outlive a window? (ZeRO-1/2 rebuild theirs.)"""
+        return self.stage == 3 or self.offload
+
+    def forget_window(self) -> None:
+        """zero_grad() before step(): reset what step() resets, so the next backward
+        starts a window (copies into the accumulators instead of adding)."""
+        if self.stage != 3:  # ZeRO-3's own zero_grad() resets its micro step
+            self.optimizer.micro_step_id = _INITIAL_MICRO_STEP_ID_12
+        if self.offload and self.can_finalize:
+            setattr(self.optimizer, self._finalizer[0], set())
+
+    def discard_gradients(self, params) -> None:
+        """Zero every reduced gradient of ``params`` that step() would read.
+
+        For params with no gradient since the last step() or zero_grad(): DeepSpeed
+        leaves their stores as an earlier window wrote them.
+        """
+        optimizer = self.optimizer
+        if self.stage == 3:
+            partitions = getattr(optimizer, _Z3_GRAD_PARTITIONS)
+            for param in params:
+                partition = partitions.get(param.ds_id)
+                if partition is not None:
+                    partition.zero_()
+        if not self.offload:
+            return
+        window_ids = getattr(optimizer, self._finalizer[0]) if self.can_finalize else set()
+        for param in params:
+            param_id = optimizer.get_param_id(param)
+            position = optimizer.grad_position.get(param_id)
+            if self.stage != 3:
+                accumulated = optimizer.accumulated_grads_in_cpu.get(param_id)
+                if accumulated is not None:
+                    accumulated.zero_()
+            optimizer.norm_for_param_grads.pop(param_id, None)
+            window_ids.discard(param.ds_id if self.stage == 3 else param_id)
+            if position is None:
+                continue  # none of it in this rank's partition
+            if self.stage == 3:
+                group, offset, numel = position
+                if optimizer._swappable_optimizer_subgroup(group):
+                    raise unsupported_feature(
+                        "NVMe optimizer offload with a param that got a gradient in an earlier step "
+                        "and none in this one", "its stale gradient is swapped out to NVMe, where "
+                        "zero_lifetime cannot clear it")
+                fp32_grad = optimizer.fp32_partitioned_groups_flat[group].grad
+            else:
+                group, _, offset, numel = position
+                fp32_grad = optimizer.single_partition_of_fp32_groups[group].grad
+            if fp32_grad is not None:
+                fp32_grad.view(-1).narrow(0, offset, numel).zero_()
 
     def at_boundary(self) -> bool:
         # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
