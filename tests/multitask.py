@@ -6,7 +6,8 @@ micro-step. "summed": one backward of the summed task losses, GAS 1. Two modes w
 a head gets no gradient in a step, so torch leaves it where it is: "sampled" trains
 a different subset of the tasks each step; "zero_grad_between" runs two backwards
 over one forward with zero_grad() between them, and the second loss never reaches
-head 0. Used by the 1-rank tests and by the 2-rank worker (each rank trains on its
+head 0; "zero_grad_mid_window" (GAS 2) calls zero_grad() between the two micro-steps
+of a window, so only the second (which never reaches head 0) counts. Used by the 1-rank tests and by the 2-rank worker (each rank trains on its
 own data shard; the oracle all-reduces plain torch gradients).
 """
 
@@ -58,7 +59,7 @@ def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, 
         zero["offload_optimizer"] = {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": TASKS if mode == "per_task" else 1,
+        "gradient_accumulation_steps": {"per_task": TASKS, "zero_grad_mid_window": 2}.get(mode, 1),
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": clip,
@@ -104,6 +105,12 @@ def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp3
                 engine.zero_grad()
                 second.backward()
             engine.step()
+        elif mode == "zero_grad_mid_window":
+            engine.backward(task_loss(engine(cast(xs[0]), 0)) + task_loss(engine(cast(xs[0]), 1)))
+            engine.step()  # not a boundary: nothing applied
+            engine.zero_grad()
+            engine.backward(task_loss(engine(cast(xs[1]), 1)))
+            engine.step()
         else:
             tasks = sampled_tasks(step) if mode == "sampled" else range(TASKS)
             engine.backward(sum(task_loss(engine(cast(xs[t]), t)) for t in tasks))
@@ -123,6 +130,8 @@ def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1,
             first.backward(retain_graph=True)
             opt.zero_grad()  # set_to_none: head 0 gets no gradient, so SGD leaves it
             second.backward()
+        elif mode == "zero_grad_mid_window":  # the first micro-step is dropped; GAS 2 halves the loss
+            (task_loss(model(xs[1], 1)) / 2).backward()
         else:
             tasks = sampled_tasks(step) if mode == "sampled" else range(TASKS)
             sum(task_loss(model(xs[t], t)) for t in tasks).backward()

@@ -1,13 +1,15 @@
-"""A param with no gradient since the last step or zero_grad() must not move: 1 rank, against torch.
+"""A gradient from before the last step or zero_grad() must not be applied: 1 rank, against torch.
 
 torch leaves such a param's .grad None and SGD skips it. Stock DeepSpeed (0.19.8 and
 0.17.6) keeps what its gradient stores held from an earlier step and applies it again:
 on ZeRO-3, and on ZeRO-1/2 with CPU optimizer offload. Two ways to get there:
 "sampled" (a head used in one step and not the next) and "zero_grad_between" (two
 backwards over one forward, zero_grad() between them, the second loss never reaching
-a head). The negative controls pin the stock behaviour, so the fix is shown to matter.
+a head). And zero_grad() between the micro-steps of a window drops the earlier ones,
+as torch's does. The negative controls pin the stock behaviour, so the fix is shown to matter.
 """
 
+import deepspeed
 import pytest
 import torch
 
@@ -20,6 +22,8 @@ STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, 
 STAGE_IDS = [f"stage{s}-{'offload' if o else 'no_offload'}" for s, o in STAGES_OFFLOAD]
 # DeepSpeed 0.17.6 refuses loss.backward() (test_retain_graph.py pins the refusal).
 PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]
+COMPACT_BUFFER = hasattr(deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer,
+                         "_use_compact_grad_partition_buffer")
 
 
 def _train(stage, offload, mode, install=True, path="engine", clip=0.0):
@@ -43,6 +47,48 @@ def test_head_left_out_of_a_step_stays_put(stage, offload):
 def test_zero_grad_drops_the_first_backward_of_an_unreached_head(stage, offload, path):
     diffs = _train(stage, offload, "zero_grad_between", path=path)
     assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
+
+
+@pytest.mark.parametrize("stage,offload", STAGES_OFFLOAD, ids=STAGE_IDS)
+def test_zero_grad_inside_a_window_drops_its_earlier_micro_steps(stage, offload):
+    """As torch: what came before zero_grad() is gone, reduced or not."""
+    diffs = _train(stage, offload, "zero_grad_mid_window")
+    assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
+
+
+@pytest.mark.skipif(not COMPACT_BUFFER, reason="DeepSpeed 0.17.6 has no fp32 compact gradient buffer")
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+def test_zero_grad_inside_a_window_with_fp32_accumulation_of_bf16(offload):
+    """ZeRO-2 bf16 with grad_accum_dtype fp32 sums micro-steps in a flat fp32 buffer: zero_grad()
+    must empty it. Oracle: the same engine whose first micro-step has a zero loss (and no
+    zero_grad()), and torch within bf16 tolerance."""
+
+    def train(zero_first_loss):
+        model, reference = mt.make_models()
+        cfg = mt.config(2, "zero_grad_mid_window", offload, "bf16")
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        zero_lifetime.install(engine)
+        assert engine.optimizer._use_compact_grad_partition_buffer(0)
+        for step in range(STEPS):
+            xs = [x.bfloat16() for x in mt.batches(step)]
+            first = mt.task_loss(engine(xs[0], 0)) + mt.task_loss(engine(xs[0], 1))
+            engine.backward(first * 0 if zero_first_loss else first)
+            engine.step()
+            if not zero_first_loss:
+                engine.zero_grad()
+            engine.backward(mt.task_loss(engine(xs[1], 1)))
+            engine.step()
+        mt.train_reference(reference, "zero_grad_mid_window", STEPS)
+        return engine, reference
+
+    engine, reference = train(False)
+    twin, _ = train(True)
+    got, want = mt.engine_weights(engine), mt.engine_weights(twin)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+    diffs = mt.max_differences(engine, reference)
+    assert max(diffs.values()) <= mt.tolerance("bf16"), diffs
 
 
 @pytest.mark.parametrize("stage,offload", [(3, False), (3, True), (2, True)], ids=lambda v: str(v))

@@ -76,10 +76,11 @@ def _build_scenarios():
                                  schedule=[2, 1, 2]))
     # The multi-task loop of the gradient-bucket report: one backward per task (GAS =
     # tasks) and one summed backward, with and without CPU optimizer offload; and heads
-    # left without a gradient in a step (sampled tasks, zero_grad() between two backwards).
+    # left without a gradient in a step (sampled tasks, zero_grad() between two backwards
+    # or between two micro-steps).
     for stage in (1, 2, 3):
         for offload in (False, True):
-            for mode in ("per_task", "summed", "sampled", "zero_grad_between"):
+            for mode in ("per_task", "summed", "sampled", "zero_grad_between", "zero_grad_mid_window"):
                 sid = f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-{mode}-fp32"
                 out.append(dict(id=sid, kind="multitask", stage=stage, offload=offload, mode=mode, dtype="fp32"))
         for offload in (False, True):  # bf16: with offload must equal without it

@@ -17,6 +17,7 @@ class Zero12Accumulation:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         require(optimizer, "averaged_gradients", "the ZeRO-1/2 reduced gradient partitions")
+        require(optimizer, "all_grad_tensors", "the ZeRO-1/2 running gradient sums")
         self._original_epilogue = require(optimizer, "independent_gradient_partition_epilogue",
                                           "the ZeRO-1/2 gradient epilogue")
         self.cpu_offload = bool(getattr(optimizer, "cpu_offload", False))
@@ -58,6 +59,23 @@ class Zero12Accumulation:
     def grads_cleared(self) -> None:
         self.grads_pending = False
         self._carry = None
+
+    def forget_window(self) -> None:
+        """zero_grad() before step(): drop what earlier micro-steps of the window summed.
+
+        ZeRO-1/2 keep a running sum across micro-steps (``all_grad_tensors``) or, with
+        fp32 accumulation of 16-bit params, sum into a flat partition buffer in
+        ``averaged_gradients``; engine.zero_grad() leaves both, so a micro-step before
+        it would still reach step().
+        """
+        self.grads_cleared()
+        running = self.optimizer.all_grad_tensors
+        for group in list(running):
+            running[group] = None
+        for grads in self.optimizer.averaged_gradients.values():
+            flat = getattr(grads, "flat_partition", None)  # 0.19.8's compact buffer
+            if flat is not None:
+                flat.zero_()
 
     def restore(self) -> None:
         self.optimizer.__dict__.pop("independent_gradient_partition_epilogue", None)

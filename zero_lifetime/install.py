@@ -172,7 +172,7 @@ class Installation:
         def zero_grad(*args, **kwargs):
             self.recover_if_backward_died()
             if self.accumulation is not None:
-                self.accumulation.grads_cleared()
+                self.accumulation.forget_window()
             result = original(*args, **kwargs)
             # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
             # optimizer holds must go too, or a following backward would add to them.
