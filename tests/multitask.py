@@ -86,7 +86,8 @@ def make_models(seed: int = 0):
 
 
 def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp32", path: str = "engine"):
-    """path: "engine" (engine.backward) or "manual" (loss.backward), for zero_grad_between."""
+    """path: "engine" (engine.backward) or "manual" (loss.backward); per_task and
+    zero_grad_mid_window always use engine.backward."""
     cast = (lambda x: x.to(torch.bfloat16)) if dtype == "bf16" else (lambda x: x)
     for step in range(steps):
         xs = batches(step, rank)
@@ -113,7 +114,8 @@ def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp3
             engine.step()
         else:
             tasks = sampled_tasks(step) if mode == "sampled" else range(TASKS)
-            engine.backward(sum(task_loss(engine(cast(xs[t]), t)) for t in tasks))
+            loss = sum(task_loss(engine(cast(xs[t]), t)) for t in tasks)  # one forward per task
+            engine.backward(loss) if path == "engine" else loss.backward()
             engine.step()
 
 

@@ -52,8 +52,11 @@ class Installation:
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
         self._latest_forward = _ForwardOutputs()
+        # Forwards whose outputs may still be backpropagated through (pruned as their hook
+        # managers die): a backward over several of them must run DeepSpeed's prologue once.
+        self._live_forwards = []
         self._entered_via_outputs = False
-        self._entry_managers = []  # DeepSpeed output hook managers of the backward being opened
+        self._entry_forward = None  # the forward whose output opened the backward being opened
         self._failed_backwards = 0
         self._patched = []
         self._handles = []
@@ -224,6 +227,7 @@ class Installation:
             self.lifetime.after_forward()
         forward = _ForwardOutputs()
         self._latest_forward = forward
+        self._live_forwards = [f for f in self._live_forwards if f.alive()] + [forward]
         for tensor in _tensors_in(output):
             if tensor.grad_fn is not None:
                 tensor.register_hook(self._make_output_hook(forward))
@@ -234,7 +238,7 @@ class Installation:
         def on_output_grad(grad):
             if not self.scope.open:
                 self._entered_via_outputs = True
-                self._entry_managers = forward.managers()
+                self._entry_forward = forward
                 self.scope.enter()
             return None
 
@@ -256,7 +260,7 @@ class Installation:
         """Open a backward that reached us without passing the forward outputs."""
         if not self.scope.open:
             self._entered_via_outputs = False
-            self._entry_managers = self._latest_forward.managers()
+            self._entry_forward = None
             self.scope.enter()
 
     def _task_accumulates(self) -> bool:
@@ -275,8 +279,13 @@ class Installation:
         return False
 
     def _on_backward_start(self) -> None:
-        managers = self._entry_managers
-        self._entry_managers = []
+        entry, self._entry_forward = self._entry_forward, None
+        managers = entry.managers() if entry is not None else []
+        # DeepSpeed's hooks on the outputs of every other forward stay quiet in this
+        # backward: one prologue per backward. (Two prologues leave its backward depth
+        # at 2, and stock 0.19.8 then skips the epilogue: nothing is reduced.)
+        self.backward.suppress_output_hooks(
+            [m for f in self._live_forwards if f is not entry for m in f.managers()])
         self._accumulating = self._task_accumulates()
         if not self._accumulating:
             # torch.autograd.grad: nothing reaches .grad, so DeepSpeed's prologue and
@@ -364,13 +373,16 @@ class _ForwardOutputs:
     """DeepSpeed's output hook managers of one forward, held weakly (hooks keep them alive)."""
 
     def __init__(self):
-        self._refs = []
+        self._refs = None  # set when the engine forward returns (never, if it raised)
 
     def set_managers(self, managers) -> None:
         self._refs = [weakref.ref(m) for m in managers]
 
     def managers(self) -> list:
-        return [m for m in (r() for r in self._refs) if m is not None]
+        return [m for m in (r() for r in self._refs or ()) if m is not None]
+
+    def alive(self) -> bool:
+        return any(r() is not None for r in self._refs or ())
 
 
 def _tensors_in(value):

@@ -1,0 +1,79 @@
+"""Several engine forwards, one backward through all their outputs: 1 rank, against torch.
+
+Multi-task code often calls the model once per task and backpropagates the summed
+losses. DeepSpeed 0.19.8 runs its backward prologue from hooks on each forward's
+outputs, so such a backward runs it once per forward; its backward depth then ends
+at 2 and it skips the epilogue: nothing is reduced and step() fails (`KeyError`,
+pinned below). Installed, one prologue runs per backward. The engine path
+(engine.backward) works on stock and must keep working.
+"""
+
+import pytest
+import torch
+
+import multitask as mt
+import zero_lifetime
+from harness import TORCH_STYLE_BACKWARD
+
+STEPS = 3
+PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]  # 0.17.6 refuses loss.backward()
+STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
+STAGE_IDS = [f"stage{s}-{'offload' if o else 'no_offload'}" for s, o in STAGES_OFFLOAD]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("stage,offload", STAGES_OFFLOAD, ids=STAGE_IDS)
+def test_one_backward_over_a_forward_per_task(stage, offload, path):
+    model, reference = mt.make_models()
+    engine = mt.build_engine(model, stage, "summed", offload, "fp32")
+    zero_lifetime.install(engine)
+    mt.train_engine(engine, "summed", STEPS, path=path)
+    mt.train_reference(reference, "summed", STEPS)
+    diffs = mt.max_differences(engine, reference)
+    assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
+
+
+def _two_forward_losses(model, xs):
+    first, second = model(xs[0], 0), model(xs[1], 1)
+    return mt.task_loss(first) + mt.task_loss(second), 2 * mt.task_loss(second)
+
+
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no_zero_grad"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_retained_backwards_over_two_forwards(stage, path, zero_grad):
+    """Two backwards over two forwards; with zero_grad() the second never reaches head 0."""
+    model, reference = mt.make_models()
+    engine = mt.build_engine(model, stage, "summed", False, "fp32")
+    zero_lifetime.install(engine)
+    opt = torch.optim.SGD(reference.parameters(), lr=mt.LR)
+    for step in range(STEPS):
+        xs = mt.batches(step)
+        first, second = _two_forward_losses(engine, xs)
+        if path == "engine":
+            engine.backward(first, retain_graph=True)
+        else:
+            first.backward(retain_graph=True)
+        if zero_grad:
+            engine.zero_grad()
+        engine.backward(second) if path == "engine" else second.backward()
+        engine.step()
+        first, second = _two_forward_losses(reference, xs)
+        first.backward(retain_graph=True)
+        if zero_grad:
+            opt.zero_grad()
+        second.backward()
+        opt.step()
+        opt.zero_grad()
+    diffs = mt.max_differences(engine, reference)
+    assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="DeepSpeed 0.17.6 has no loss.backward() path")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_stock_never_reduces_a_plain_backward_over_two_forwards(stage):
+    """Negative control: stock 0.19.8 skips the epilogue; step() finds no reduced gradients."""
+    model, _ = mt.make_models()
+    engine = mt.build_engine(model, stage, "summed", False, "fp32")
+    with pytest.raises(KeyError):
+        mt.train_engine(engine, "summed", 1, path="manual")
