@@ -4,6 +4,7 @@ Timings are never asserted: only that the benchmarks run, report and record what
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def run_cli(*args, timeout=120):
     # DeepSpeed benchmarks initialise torch.distributed: a subprocess keeps pytest's process clean.
+    # Not pytest's MASTER_PORT: an engine test that ran earlier in this process listens on it.
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     return subprocess.run([sys.executable, "-m", "zero_lifetime.bench", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def load(path):
