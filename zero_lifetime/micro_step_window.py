@@ -65,8 +65,9 @@ class MicroStepWindow:
         """At a boundary step: zero the stale stores of params with no gradient in the window."""
         if not self.adapter.keeps_gradients_across_windows:
             return
-        stale = [p for p in self._params if id(p) in self._maybe_holding and id(p) not in self._in_window]
-        self.adapter.discard_gradients(stale)
+        stale = self._maybe_holding - self._in_window  # set arithmetic: this runs every step
+        if stale:
+            self.adapter.discard_gradients([p for p in self._params if id(p) in stale])
         self._maybe_holding = set(self._in_window)
 
     def _epilogue(self, *args, **kwargs):
