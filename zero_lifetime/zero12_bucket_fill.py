@@ -15,18 +15,18 @@ Cases DeepSpeed treats specially (non-contiguous gradients, ZenFlow, a gradient 
 than the bucket) go through its own code unchanged.
 """
 
-from . import ops
 from .adapters.zero12_buckets import Zero12Buckets
+from .reserved_fill import Reservations, fill_and_repoint
 
 
-class _Pending:
-    """Gradients waiting for the fill of one bucket buffer."""
+class _Pending(Reservations):
+    """Gradients waiting for the fill of one bucket buffer, and the streams that made them."""
 
-    __slots__ = ("grads", "offsets", "streams", "numel")
+    __slots__ = ("streams", )
 
     def __init__(self):
-        self.grads, self.offsets, self.streams = [], [], []
-        self.numel = 0
+        super().__init__()
+        self.streams = []
 
 
 class Zero12BucketFill:
@@ -68,9 +68,7 @@ class Zero12BucketFill:
         pending = self._pending.get(comm_dtype)
         if pending is None:
             pending = self._pending[comm_dtype] = _Pending()
-        pending.grads.append(grad)
-        pending.offsets.append(bucket.elements)
-        pending.numel += numel
+        pending.reserve(grad, bucket.elements, numel)
         if self.buckets.has_streams:
             pending.streams.append(self.buckets.current_stream())
         self.buckets.record_producer(grad, bucket)
@@ -107,7 +105,7 @@ class Zero12BucketFill:
 
     def _flush(self, comm_dtype, scale: float = 1.0) -> None:
         pending = self._pending.pop(comm_dtype, None)
-        if pending is None or not pending.grads:
+        if pending is None or not pending.items:
             return
         bucket = self.optimizer.ipg_buckets[comm_dtype]
         buffer = bucket.buffer[bucket.index]
@@ -123,12 +121,10 @@ class Zero12BucketFill:
                 self.buckets.note_copy_stream(bucket, current)
         else:
             self.buckets.wait_before_reusing(bucket)
-        ops.bucket_fill(buffer, pending.grads, pending.offsets, scale)
-        for grad, offset in zip(pending.grads, pending.offsets):
-            grad.data = buffer.narrow(0, offset, grad.numel()).view_as(grad)
+        fill_and_repoint(buffer, pending.items, pending.offsets, scale)
         self.fills += 1
         self.prescaled_fills += scale != 1.0
-        self.fused_grads += len(pending.grads)
+        self.fused_grads += len(pending.items)
 
     def flush_pending(self) -> None:
         """Copy every reserved gradient into its bucket now (what runs before a bucket is read)."""

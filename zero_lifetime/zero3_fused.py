@@ -26,16 +26,9 @@ from deepspeed.accelerator import get_accelerator
 
 from .adapters.zero3_buckets import ADD_GRAD, REDUCE_BUCKET, Zero3Buckets, Zero3GatherHandles
 from .ops_reference import SUPPORTED_DTYPES
+from .reserved_fill import Reservations, fill_and_repoint
 
 _OP_DTYPES = frozenset(SUPPORTED_DTYPES)
-
-
-class _PendingFill:
-    """Gradients added to one bucket since its last flush, waiting for the fused fill."""
-
-    def __init__(self):
-        self.params = []
-        self.offsets = []
 
 
 class Zero3FusedCopies:
@@ -49,7 +42,7 @@ class Zero3FusedCopies:
         self._params = list(engine.module.parameters())
         self.handles = Zero3GatherHandles(self._params)
         self.counts = {"bucket_fills": 0, "filled_grads": 0, "fused_gathers": 0, "stock_gathers": 0}
-        self._pending = {}  # comm dtype -> _PendingFill
+        self._pending = {}  # comm dtype -> Reservations (of params)
         self._installed = True
         self.buckets.override(ADD_GRAD, self._add_grad_to_bucket)
         self.buckets.override(REDUCE_BUCKET, self._reduce_bucket)
@@ -91,9 +84,8 @@ class Zero3FusedCopies:
             buckets.reduce_stream.wait_stream(accelerator.current_stream())
         numel = param.grad.numel()
         if buckets.goes_into_buffer(bucket, numel):
-            pending = self._pending.setdefault(comm_dtype, _PendingFill())
-            pending.params.append(param)
-            pending.offsets.append(bucket.elements)
+            # The param, not its gradient: the fill reads whatever .grad holds at the flush.
+            self._pending.setdefault(comm_dtype, Reservations()).reserve(param, bucket.elements, numel)
         bucket.params.append(param)
         buckets.note_partition_group(bucket, param)
         bucket.elements += numel
@@ -114,14 +106,12 @@ class Zero3FusedCopies:
         if pending is None or not bucket.params:
             return
         accelerator = self._accelerator
+        # The fill reads the old storage on the reduce stream: not reusable before it ran.
+        keep_until_read = (None if accelerator.is_synchronized_device() else
+                           lambda grad: grad.record_stream(accelerator.current_stream()))
         with accelerator.stream(self.buckets.reduce_stream):
-            grads = [param.grad for param in pending.params]
-            self._ops.bucket_fill(bucket.buffer, grads, pending.offsets, 1.0)
-            for param, grad, offset in zip(pending.params, grads, pending.offsets):
-                if not accelerator.is_synchronized_device():
-                    # The fill reads the old storage on the reduce stream: not reusable before it ran.
-                    grad.record_stream(accelerator.current_stream())
-                param.grad.data = bucket.buffer.narrow(0, offset, grad.numel()).view_as(grad)
+            grads = [param.grad for param in pending.items]
+            fill_and_repoint(bucket.buffer, grads, pending.offsets, 1.0, keep_until_read)
         self.counts["bucket_fills"] += 1
         self.counts["filled_grads"] += len(grads)
 
