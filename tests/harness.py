@@ -132,7 +132,11 @@ def released_state(engine):
 
 def two_backwards(engine, out, path: str, zero_grad: bool):
     """Backward two losses of one forward through the engine, the manual or the scale path."""
-    l1, l2 = losses(out)
+    backward_both(engine, *losses(out), path, zero_grad)
+
+
+def backward_both(engine, l1, l2, path: str, zero_grad: bool):
+    """Backward l1 (graph retained), then l2, through the engine, the manual or the scale path."""
     if path == "engine":
         engine.backward(l1, retain_graph=True)
     elif path == "manual":
@@ -150,7 +154,11 @@ def two_backwards(engine, out, path: str, zero_grad: bool):
 
 
 def reference_two_backwards(reference, ref_opt, x, zero_grad: bool):
-    l1, l2 = losses(reference(x))
+    reference_step_both(ref_opt, *losses(reference(x)), zero_grad)
+
+
+def reference_step_both(ref_opt, l1, l2, zero_grad: bool):
+    """What backward_both then step() does, in plain torch."""
     l1.backward(retain_graph=True)
     if zero_grad:
         ref_opt.zero_grad()

@@ -13,7 +13,7 @@ import torch
 
 import multitask as mt
 import zero_lifetime
-from harness import TORCH_STYLE_BACKWARD
+from harness import TORCH_STYLE_BACKWARD, backward_both, reference_step_both
 
 STEPS = 3
 PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]  # 0.17.6 refuses loss.backward()
@@ -49,22 +49,9 @@ def test_retained_backwards_over_two_forwards(stage, path, zero_grad):
     opt = torch.optim.SGD(reference.parameters(), lr=mt.LR)
     for step in range(STEPS):
         xs = mt.batches(step)
-        first, second = _two_forward_losses(engine, xs)
-        if path == "engine":
-            engine.backward(first, retain_graph=True)
-        else:
-            first.backward(retain_graph=True)
-        if zero_grad:
-            engine.zero_grad()
-        engine.backward(second) if path == "engine" else second.backward()
+        backward_both(engine, *_two_forward_losses(engine, xs), path, zero_grad)
         engine.step()
-        first, second = _two_forward_losses(reference, xs)
-        first.backward(retain_graph=True)
-        if zero_grad:
-            opt.zero_grad()
-        second.backward()
-        opt.step()
-        opt.zero_grad()
+        reference_step_both(opt, *_two_forward_losses(reference, xs), zero_grad)
     diffs = mt.max_differences(engine, reference)
     assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
 
