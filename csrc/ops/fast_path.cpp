@@ -106,9 +106,7 @@ bool gather_copy_out_fast(py::handle gathered_obj, py::handle out_obj, py::handl
   if (gathered == nullptr || out == nullptr) return false;
   const std::vector<int64_t> shards = int_values(shard_numels, "shard_numels must be a sequence");
   const std::vector<int64_t> sizes = int_values(numels, "numels must be a sequence");
-  // The objects own the tensors: keep them while the GIL is released.
-  py::object keep_gathered = py::reinterpret_borrow<py::object>(gathered_obj);
-  py::object keep_out = py::reinterpret_borrow<py::object>(out_obj);
+  // The call's argument tuple owns both tensors until we return, GIL released or not.
   {
     py::gil_scoped_release no_gil;
     RECORD_FUNCTION("zero_lifetime::gather_copy_out", std::vector<c10::IValue>());
