@@ -16,7 +16,7 @@ from typing import List
 import torch
 
 from . import ds_paths, kernels, sizes
-from .report import Progress, Result
+from .report import Progress, Result, keep
 
 STOCK = kernels.BUCKET_LOOP
 FUSED = "fused bucket_fill"
@@ -33,18 +33,14 @@ def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> Li
             series = f"bucket fill {kernels._name(src)}->{kernels._name(dst)}"
             result.update(bench="bucket", series=series, x=numel * src.itemsize, n=n, numel=numel,
                           stock=STOCK, ours=FUSED, roofline=ROOFLINE, per=n, per_label="per tensor")
-            results.append(result)
-            if progress:
-                progress.step(result["case"])
+            keep(results, result, progress)
     prepare_process(device)
     quiet_deepspeed()
     for n, numel in sizes.shapes(quick):
         result = ds_paths.bucket_fill(n, numel, device, repeats)
         result.update(bench="bucket", series="bucket fill float32, DeepSpeed ZeRO-2 path", x=numel * 4, n=n,
                       numel=numel, per=n, per_label="per tensor", notes=[ds_paths.speedup_note(result)])
-        results.append(result)
-        if progress:
-            progress.step(result["case"])
+        keep(results, result, progress)
     return results
 
 

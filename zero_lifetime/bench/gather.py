@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import List
 
 from . import ds_paths, kernels, sizes
-from .report import Progress, Result
+from .report import Progress, Result, keep
 
 STOCK = kernels.GATHER_LOOP
 FUSED = "fused gather_copy_out"
@@ -34,9 +34,7 @@ def run(device: str, repeats: int, quick: bool, ranks: int = 1, progress: Progre
         result.update(bench="gather", series=f"gather copy-out (world {WORLD} layout, 1 process)",
                       x=numel * 4, n=n, numel=numel, stock=STOCK, ours=FUSED, roofline=ROOFLINE,
                       per=n, per_label="per tensor")
-        results.append(result)
-        if progress:
-            progress.step(result["case"])
+        keep(results, result, progress)
     prepare_process(device)
     quiet_deepspeed()
     for n, numel in sizes.shapes(quick):
@@ -44,9 +42,7 @@ def run(device: str, repeats: int, quick: bool, ranks: int = 1, progress: Progre
         result.update(bench="gather", series=f"gather copy-out, DeepSpeed handle wait (world {WORLD} layout)",
                       x=numel * 4, n=n, numel=numel, per=n, per_label="per tensor",
                       notes=[ds_paths.speedup_note(result)])
-        results.append(result)
-        if progress:
-            progress.step(result["case"])
+        keep(results, result, progress)
     if ranks > 1:
         from . import gather_dist
         results.extend(gather_dist.run(device, repeats, quick, ranks, progress))

@@ -25,6 +25,13 @@ class Progress:
         sys.stderr.flush()
 
 
+def keep(results: List[Result], result: Result, progress: "Progress | None") -> None:
+    """Add a case's result to the sweep's and move the bar on, when there is one."""
+    results.append(result)
+    if progress:
+        progress.step(result["case"])
+
+
 def summarize(result: Result) -> List[Dict[str, object]]:
     """Median, bandwidth and ratios (to the stock way, to the roofline) of each method of a case."""
     samples = result["samples"]
