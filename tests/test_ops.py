@@ -4,6 +4,7 @@ torch expressions built independently (torch.cat of scaled, flattened tensors; D
 per-parameter torch.cat of shards).
 """
 
+import inspect
 import os
 import random
 import subprocess
@@ -411,34 +412,9 @@ def test_opcheck(device):
 
 
 # ------------------------------------------------------------------ fallback
-def test_forced_python_fallback_gives_identical_results(tmp_path):
-    """ZERO_LIFETIME_FORCE_PYTHON=1 in a fresh process: the public API takes the reference
-    (with one warning) and writes exactly what the compiled ops write here."""
-    _native_ops("cpu")
-    code = """
-        import sys, warnings, torch
-        from zero_lifetime import ops
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.manual_seed(5)
-            tensors = [torch.randn(n).to(d) for n, d in
-                       [(1000, torch.float32), (33, torch.bfloat16), (2**16 + 1, torch.float16)]]
-            buffer = torch.zeros(2**16 + 2000, dtype=torch.bfloat16)
-            ops.bucket_fill(buffer, tensors, [2**16 + 900, 0, 40], 0.25)
-            gathered = torch.randn(3 * 700)
-            out = torch.empty(1500, dtype=torch.float16)
-            ops.gather_copy_out(gathered, out, [300, 400], [800, 700], 3)
-        assert not ops.native_available()
-        torch.save({"buffer": buffer, "out": out}, sys.argv[1])
-    """
-    env = dict(os.environ, ZERO_LIFETIME_FORCE_PYTHON="1",
-               PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    path = tmp_path / "result.pt"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    python_result = torch.load(path)
-
+def _fill_and_gather_mixed_dtypes(ops):
+    """One bucket_fill and one gather_copy_out over mixed dtypes, through the public API;
+    also run verbatim in the subprocess below (inspect.getsource)."""
     torch.manual_seed(5)
     tensors = [torch.randn(n).to(d) for n, d in
                [(1000, torch.float32), (33, torch.bfloat16), (2**16 + 1, torch.float16)]]
@@ -447,5 +423,31 @@ def test_forced_python_fallback_gives_identical_results(tmp_path):
     gathered = torch.randn(3 * 700)
     out = torch.empty(1500, dtype=torch.float16)
     ops.gather_copy_out(gathered, out, [300, 400], [800, 700], 3)
+    return buffer, out
+
+
+def test_forced_python_fallback_gives_identical_results(tmp_path):
+    """ZERO_LIFETIME_FORCE_PYTHON=1 in a fresh process: the public API takes the reference
+    (chosen on purpose: no fallback warning) and writes exactly what the compiled ops write here."""
+    _native_ops("cpu")
+    code = textwrap.dedent(inspect.getsource(_fill_and_gather_mixed_dtypes)) + textwrap.dedent("""
+        import sys, warnings, torch
+        from zero_lifetime import ops
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            buffer, out = _fill_and_gather_mixed_dtypes(ops)
+        assert not ops.native_available()
+        assert not [w for w in caught if "zero_lifetime" in str(w.message)], caught
+        torch.save({"buffer": buffer, "out": out}, sys.argv[1])
+    """)
+    env = dict(os.environ, ZERO_LIFETIME_FORCE_PYTHON="1",
+               PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = tmp_path / "result.pt"
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    python_result = torch.load(path)
+
+    buffer, out = _fill_and_gather_mixed_dtypes(ops)
     assert_same(buffer, python_result["buffer"])
     assert_same(out, python_result["out"])
