@@ -16,6 +16,7 @@ import torch
 import multitask as mt
 import zero_lifetime
 from harness import TORCH_STYLE_BACKWARD
+from zero_lifetime.adapters import UnsupportedDeepSpeedError, grad_window
 
 STEPS = len(mt.SAMPLED_TASKS)
 STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
@@ -116,6 +117,32 @@ def test_install_after_steps_were_taken(stage, offload):
     mt.train_reference(reference, "sampled", STEPS)
     diffs = mt.max_differences(engine, reference)
     assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
+
+
+def test_nvme_offload_refuses_a_stale_gradient_before_clearing_anything(monkeypatch):
+    """NVMe offload cannot run here (no aio), so its one question to DeepSpeed is faked: every
+    fp32 subgroup swapped out. A step that would need a stale gradient cleared refuses, with
+    the stores as they were, rather than clear half of them or apply the stale value."""
+    model, _ = mt.make_models()
+    engine = mt.build_engine(model, 3, "sampled", True, "fp32")
+    zero_lifetime.install(engine)
+    mt.train_engine(engine, "sampled", 1)  # head 0 gets a gradient, then none in step 1
+    optimizer = engine.optimizer
+    monkeypatch.setattr(optimizer, "_swappable_optimizer_subgroup", lambda group: True)
+    x = mt.batches(1)
+    engine.backward(sum(mt.task_loss(engine(x[t], t)) for t in mt.sampled_tasks(1)))
+    grads = [flat.grad.clone() for flat in optimizer.fp32_partitioned_groups_flat]
+    partitions = {i: g.clone() for i, g in getattr(optimizer, grad_window._Z3_GRAD_PARTITIONS).items()}
+    assert any(g.abs().sum() > 0 for g in partitions.values())
+    norms = dict(optimizer.norm_for_param_grads)
+    weights = {name: p.ds_tensor.clone() for name, p in engine.module.named_parameters()}
+    with pytest.raises(UnsupportedDeepSpeedError, match="NVMe"):
+        engine.step()
+    assert all(torch.equal(g, flat.grad) for g, flat in zip(grads, optimizer.fp32_partitioned_groups_flat))
+    assert optimizer.norm_for_param_grads == norms
+    after = getattr(optimizer, grad_window._Z3_GRAD_PARTITIONS)
+    assert after.keys() == partitions.keys() and all(torch.equal(partitions[i], after[i]) for i in after)
+    assert all(torch.equal(w, p.ds_tensor) for w, (_, p) in zip(weights.values(), engine.module.named_parameters()))
 
 
 # Stock ZeRO-3 cannot run zero_grad_between at all: its second backward fails with the

@@ -97,6 +97,8 @@ class GradWindowAdapter:
         leaves their stores as an earlier window wrote them.
         """
         optimizer = self.optimizer
+        if self.offload and self.stage == 3:
+            self._refuse_swapped(params)
         if self.stage == 3:
             partitions = getattr(optimizer, _Z3_GRAD_PARTITIONS)
             for param in params:
@@ -119,17 +121,23 @@ class GradWindowAdapter:
                 continue  # none of it in this rank's partition
             if self.stage == 3:
                 group, offset, numel = position
-                if optimizer._swappable_optimizer_subgroup(group):
-                    raise unsupported_feature(
-                        "NVMe optimizer offload with a param that got a gradient in an earlier step "
-                        "and none in this one", "its stale gradient is swapped out to NVMe, where "
-                        "zero_lifetime cannot clear it")
                 fp32_grad = optimizer.fp32_partitioned_groups_flat[group].grad
             else:
                 group, _, offset, numel = position
                 fp32_grad = optimizer.single_partition_of_fp32_groups[group].grad
             if fp32_grad is not None:
                 fp32_grad.view(-1).narrow(0, offset, numel).zero_()
+
+    def _refuse_swapped(self, params) -> None:
+        """Before anything is cleared, so a refusal leaves every store as step() would find it."""
+        optimizer = self.optimizer
+        for param in params:
+            position = optimizer.grad_position.get(optimizer.get_param_id(param))
+            if position is not None and optimizer._swappable_optimizer_subgroup(position[0]):
+                raise unsupported_feature(
+                    "NVMe optimizer offload with a param that got a gradient in an earlier step "
+                    "and none in this one", "its stale gradient is swapped out to NVMe, where "
+                    "zero_lifetime cannot clear it")
 
     def at_boundary(self) -> bool:
         # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
