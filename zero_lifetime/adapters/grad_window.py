@@ -97,8 +97,13 @@ class GradWindowAdapter:
         leaves their stores as an earlier window wrote them.
         """
         optimizer = self.optimizer
-        if self.offload and self.stage == 3:
-            self._refuse_swapped(params)
+        if self.offload:
+            # Each param's id and place in the fp32 buffers (None: not in this rank's partition).
+            param_ids = [optimizer.get_param_id(param) for param in params]
+            located = [(param, param_id, optimizer.grad_position.get(param_id))
+                       for param, param_id in zip(params, param_ids)]
+            if self.stage == 3:
+                self._refuse_swapped(located)
         if self.stage == 3:
             partitions = getattr(optimizer, _Z3_GRAD_PARTITIONS)
             for param in params:
@@ -108,9 +113,7 @@ class GradWindowAdapter:
         if not self.offload:
             return
         window_ids = getattr(optimizer, self._finalizer[0]) if self.can_finalize else set()
-        for param in params:
-            param_id = optimizer.get_param_id(param)
-            position = optimizer.grad_position.get(param_id)
+        for param, param_id, position in located:
             if self.stage != 3:
                 accumulated = optimizer.accumulated_grads_in_cpu.get(param_id)
                 if accumulated is not None:
@@ -118,7 +121,7 @@ class GradWindowAdapter:
             optimizer.norm_for_param_grads.pop(param_id, None)
             window_ids.discard(param.ds_id if self.stage == 3 else param_id)
             if position is None:
-                continue  # none of it in this rank's partition
+                continue
             if self.stage == 3:
                 group, offset, numel = position
                 fp32_grad = optimizer.fp32_partitioned_groups_flat[group].grad
@@ -128,12 +131,10 @@ class GradWindowAdapter:
             if fp32_grad is not None:
                 fp32_grad.view(-1).narrow(0, offset, numel).zero_()
 
-    def _refuse_swapped(self, params) -> None:
+    def _refuse_swapped(self, located) -> None:
         """Before anything is cleared, so a refusal leaves every store as step() would find it."""
-        optimizer = self.optimizer
-        for param in params:
-            position = optimizer.grad_position.get(optimizer.get_param_id(param))
-            if position is not None and optimizer._swappable_optimizer_subgroup(position[0]):
+        for _, _, position in located:
+            if position is not None and self.optimizer._swappable_optimizer_subgroup(position[0]):
                 raise unsupported_feature(
                     "NVMe optimizer offload with a param that got a gradient in an earlier step "
                     "and none in this one", "its stale gradient is swapped out to NVMe, where "
