@@ -172,6 +172,8 @@ DS_VERSION = deepspeed.__version__.split("+")[0]
 # DeepSpeed 0.18+ reduces gradients for a plain loss.backward() (and has engine.scale());
 # 0.17.6 only inside engine.backward(loss), and zero_lifetime refuses the plain path there.
 TORCH_STYLE_BACKWARD = hasattr(deepspeed.runtime.engine.DeepSpeedEngine, "scale")
+# The two-backward paths to test on this release (0.17.6 refuses loss.backward()).
+BACKWARD_PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]
 
 
 def linear_saves_params() -> bool:

@@ -7,8 +7,9 @@ a head gets no gradient in a step, so torch leaves it where it is: "sampled" tra
 a different subset of the tasks each step; "zero_grad_between" runs two backwards
 over one forward with zero_grad() between them, and the second loss never reaches
 head 0; "zero_grad_mid_window" (GAS 2) calls zero_grad() between the two micro-steps
-of a window, so only the second (which never reaches head 0) counts. Used by the 1-rank tests and by the 2-rank worker (each rank trains on its
-own data shard; the oracle all-reduces plain torch gradients).
+of a window, so only the second (which never reaches head 0) counts. Used by the
+1-rank tests and by the 2-rank worker (each rank trains on its own data shard; the
+oracle all-reduces plain torch gradients).
 """
 
 import copy
@@ -37,6 +38,9 @@ class MultiTask(torch.nn.Module):
         return self.heads[task](hidden)
 
 
+# Every ZeRO stage with and without CPU optimizer offload, and their test ids.
+STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
+STAGE_IDS = [f"stage{s}-{'offload' if o else 'no_offload'}" for s, o in STAGES_OFFLOAD]
 SAMPLED_TASKS = [(0, 1), (1,), (2, 1), (1,)]  # head 0 only in step 0, head 2 from step 2
 
 

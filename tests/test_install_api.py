@@ -8,7 +8,7 @@ import torch
 
 import zero_lifetime
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
-from harness import (TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, reference_two_backwards,
+from harness import (BACKWARD_PATHS, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, reference_two_backwards,
                      released_state, two_backwards)
 
 STATS_KEYS = {"pinned_params", "pinned_bytes", "peak_pinned_bytes", "deferred_releases", "regathers"}
@@ -100,7 +100,7 @@ class Boom(Exception):
 
 @pytest.mark.parametrize("policy", ["regather", "pin"])
 # loss.backward() alone is refused on DeepSpeed 0.17.6 (see test_retain_graph).
-@pytest.mark.parametrize("path", ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"])
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
 def test_exception_mid_backward_leaves_nothing_held(policy, path):
     engine, reference, ref_opt = make_pair("mlp_norm", 3)
     zero_lifetime.install(engine, policy=policy)

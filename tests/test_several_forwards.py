@@ -13,12 +13,10 @@ import torch
 
 import multitask as mt
 import zero_lifetime
-from harness import TORCH_STYLE_BACKWARD, backward_both, reference_step_both
+from harness import BACKWARD_PATHS as PATHS, TORCH_STYLE_BACKWARD, backward_both, reference_step_both
+from multitask import STAGE_IDS, STAGES_OFFLOAD
 
 STEPS = 3
-PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]  # 0.17.6 refuses loss.backward()
-STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
-STAGE_IDS = [f"stage{s}-{'offload' if o else 'no_offload'}" for s, o in STAGES_OFFLOAD]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -34,8 +32,7 @@ def test_one_backward_over_a_forward_per_task(stage, offload, path):
 
 
 def _two_forward_losses(model, xs):
-    first, second = model(xs[0], 0), model(xs[1], 1)
-    return mt.task_loss(first) + mt.task_loss(second), 2 * mt.task_loss(second)
+    return mt.zero_grad_between_losses((model(xs[0], 0), model(xs[1], 1)))
 
 
 @pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no_zero_grad"])

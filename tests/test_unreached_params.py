@@ -15,14 +15,11 @@ import torch
 
 import multitask as mt
 import zero_lifetime
-from harness import TORCH_STYLE_BACKWARD
+from harness import BACKWARD_PATHS as PATHS
+from multitask import STAGE_IDS, STAGES_OFFLOAD
 from zero_lifetime.adapters import UnsupportedDeepSpeedError, grad_window
 
 STEPS = len(mt.SAMPLED_TASKS)
-STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
-STAGE_IDS = [f"stage{s}-{'offload' if o else 'no_offload'}" for s, o in STAGES_OFFLOAD]
-# DeepSpeed 0.17.6 refuses loss.backward() (test_retain_graph.py pins the refusal).
-PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]
 COMPACT_BUFFER = hasattr(deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer,
                          "_use_compact_grad_partition_buffer")
 
