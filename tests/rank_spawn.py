@@ -15,6 +15,12 @@ import torch.multiprocessing as mp
 from zero_lifetime.single_rank import free_port
 
 
+def env_for_own_rank0() -> dict:
+    """os.environ for a subprocess that sets up its own rank 0: without pytest's MASTER_PORT,
+    which an engine test that ran earlier in this process still listens on."""
+    return {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+
+
 class RankResults:
 
     def __init__(self, out_dir: str, world: int, failure):

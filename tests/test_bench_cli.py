@@ -4,13 +4,13 @@ Timings are never asserted: only that the benchmarks run, report and record what
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from rank_spawn import env_for_own_rank0
 from zero_lifetime.bench import cli, ds_paths, sizes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -19,10 +19,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def run_cli(*args, timeout=120):
     # DeepSpeed benchmarks initialise torch.distributed: a subprocess keeps pytest's process clean.
-    # Not pytest's MASTER_PORT: an engine test that ran earlier in this process listens on it.
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     return subprocess.run([sys.executable, "-m", "zero_lifetime.bench", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=env_for_own_rank0())
 
 
 def load(path):

@@ -5,20 +5,19 @@ installed engine must match plain torch and hold nothing afterwards. Without thi
 nothing in CI would notice the README's first command breaking.
 """
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from rank_spawn import env_for_own_rank0
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_shows_stock_failing_and_install_matching_torch():
-    # Not pytest's MASTER_PORT: an engine test that ran earlier in this process listens on it.
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
-    proc = subprocess.run([sys.executable, "-m", "zero_lifetime.demo"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "zero_lifetime.demo"], cwd=REPO_ROOT,
+                          env=env_for_own_rank0(), capture_output=True, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "fails as reported upstream: RuntimeError: The size of tensor a (0) must match" in out, out
