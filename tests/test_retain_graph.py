@@ -79,6 +79,21 @@ def test_activation_checkpointing(model_name, stage):
         assert released_state(engine) == ([], [])
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offloaded_stage12_refuses_a_second_backward_without_zero_grad(stage):
+    """A documented limitation (README): it raises rather than lose the first backward, and
+    after zero_grad() the engine trains as torch does."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, offload_optimizer={"device": "cpu"})
+    zero_lifetime.install(engine)
+    first, _ = losses(engine(make_input("mlp_norm", 0)))
+    engine.backward(first, retain_graph=True)
+    with pytest.raises(NotImplementedError, match="CPU optimizer offload"):
+        engine.backward(first)
+    engine.zero_grad()
+    _run_steps(engine, reference, ref_opt, "mlp_norm", [2, 1], "engine", zero_grad=True)
+    assert_weights_match(engine, reference)
+
+
 def test_stock_stage3_fails_without_install():
     """The oracle for the bug: without zero_lifetime the second backward crashes."""
     engine, *_ = make_pair("mlp_norm", 3)

@@ -42,6 +42,7 @@ class GradWindowAdapter:
                 require(optimizer, "get_param_id", "the ZeRO-1/2 param ids")
                 require(optimizer, "reduce_ready_partitions_and_remove_grads", "the ZeRO-1/2 bucket entry")
                 require(optimizer, "single_partition_of_fp32_groups", "the ZeRO-1/2 fp32 partitions")
+                require(optimizer, "local_overflow", "the ZeRO-1/2 offload overflow flag")
         if self.offload:
             require(optimizer, "grad_position", "the offloaded gradients' places in the fp32 buffers")
             require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms")
@@ -87,6 +88,10 @@ class GradWindowAdapter:
         starts a window (copies into the accumulators instead of adding)."""
         if self.stage != 3:  # ZeRO-3's own zero_grad() resets its micro step
             self.optimizer.micro_step_id = _INITIAL_MICRO_STEP_ID_12
+            if self.offload:
+                # Set by any offloaded fp16 gradient that was not finite; step() would skip
+                # on it although zero_grad() dropped that gradient (ZeRO-3 checks at step()).
+                self.optimizer.local_overflow = False
         if self.offload and self.can_finalize:
             setattr(self.optimizer, self._finalizer[0], set())
 
