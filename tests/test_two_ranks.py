@@ -22,6 +22,7 @@ RETAINED = [sc for sc in TRAINING if not sc["id"].startswith("sanity-")]
 STAGE3 = [sc for sc in TRAINING if sc["stage"] == 3 and sc["install"]]
 STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock"]
 MULTITASK = [sc for sc in worker.SCENARIOS if sc["kind"] == "multitask"]
+FP16 = [sc for sc in worker.SCENARIOS if sc["kind"] == "fp16"]
 
 
 def _ids(scenarios):
@@ -82,6 +83,18 @@ def test_multitask_matches_allreduced_torch(results, sc):
             assert record["fused_grads"] > record["fills"] > 0, record
             # DeepSpeed 0.17.6 always divides the bucket itself: the fill never prescales there.
             assert (record["prescaled_fills"] > 0) == (worker.deepspeed_release() != "0.17.6"), record
+
+
+@pytest.mark.parametrize("sc", FP16, ids=_ids(FP16))
+def test_fp16_overflow_on_one_rank_skips_on_both(results, sc):
+    """Rank 0's losses overflow in some steps, rank 1's never: both ranks skip exactly the
+    steps all-reduced torch skips, halve the scale alike, and match its fp32 master weights."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        want = record["want_scale_and_skips"]
+        assert want[1] == (2 if sc["zero_grad"] else 3), f"rank {rank}: the oracle skipped {want[1]} steps"
+        assert record["scale_and_skips"] == want, f"rank {rank}: (loss scale, skipped steps) {record}"
+        bad = {n: d for n, d in record["abs_diff"].items() if not d <= 1e-4}
+        assert not bad, f"rank {rank}: fp32 master weights differ from torch: {bad}"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

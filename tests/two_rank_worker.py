@@ -86,6 +86,15 @@ def _build_scenarios():
         for offload in (False, True):  # bf16: with offload must equal without it
             out.append(dict(id=f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-per_task-bf16",
                             kind="multitask", stage=stage, offload=offload, mode="per_task", dtype="bf16"))
+    # fp16 with a dynamic loss scale: only rank 0's losses overflow (fp16_scaling.SCHEDULE),
+    # and both ranks must skip those steps; zero_grad() between the backwards or not.
+    for stage in (1, 2, 3):
+        for offload in (False, True):
+            for zero_grad in (True, False):
+                if offload and stage != 3 and not zero_grad:
+                    continue  # refused on ZeRO-1/2 offload (test_retain_graph)
+                sid = f"fp16-stage{stage}-{'offload' if offload else 'no_offload'}-{zg_ids[zero_grad]}"
+                out.append(dict(id=sid, kind="fp16", stage=stage, offload=offload, zero_grad=zero_grad))
     # Last: a failing backward may leave DeepSpeed's global state odd.
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
     return out if _torch_style_backward() else _engine_paths_only(out)
@@ -292,9 +301,26 @@ def _run_multitask(sc, rank):
             "prescaled_fills": fill.prescaled_fills if fill else None}
 
 
+def _run_fp16(sc, rank):
+    import fp16_scaling as fp16
+    import multitask as mt
+    import zero_lifetime
+
+    schedule = fp16.SCHEDULE if rank == 0 else [None] * len(fp16.SCHEDULE)
+    model, reference = mt.make_models()
+    engine = fp16.build_engine(model, sc["stage"], sc["offload"], bucket=1000)
+    zero_lifetime.install(engine)
+    fp16.train_engine(engine, "engine", sc["zero_grad"], schedule, rank)
+    master, scale, skipped = fp16.train_reference(reference, sc["zero_grad"], schedule, rank, WORLD)
+    return {"abs_diff": fp16.compare(engine, master), "scale_and_skips": list(fp16.scale_and_skips(engine)),
+            "want_scale_and_skips": [scale, skipped]}
+
+
 def _run_scenario(sc, rank):
     if sc["kind"] == "multitask":
         return _run_multitask(sc, rank)
+    if sc["kind"] == "fp16":
+        return _run_fp16(sc, rank)
     if sc["kind"] == "stock":
         return _run_stock(sc, rank)
     return _run_training(sc, rank)
