@@ -38,16 +38,16 @@ def cpu_fp16_allowed():
         del accelerator.is_fp16_supported  # the class's own answer again
 
 
-def config(stage: int, offload: bool, bucket: int):
-    cfg = mt.config(stage, "zero_grad_between", offload, "fp32", bucket=bucket)
+def config(stage: int, offload: bool, bucket: int, clip: float = 0.0):
+    cfg = mt.config(stage, "zero_grad_between", offload, "fp32", bucket=bucket, clip=clip)
     cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
                    "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
     return cfg
 
 
-def build_engine(model, stage: int, offload: bool, bucket: int):
+def build_engine(model, stage: int, offload: bool, bucket: int, clip: float = 0.0):
     with cpu_fp16_allowed():
-        engine, *_ = deepspeed.initialize(model=model, config=config(stage, offload, bucket),
+        engine, *_ = deepspeed.initialize(model=model, config=config(stage, offload, bucket, clip),
                                           model_parameters=model.parameters())
     return engine
 
@@ -76,11 +76,12 @@ def train_engine(engine, path: str, zero_grad: bool, schedule=SCHEDULE, rank: in
         engine.step()
 
 
-def train_reference(model, zero_grad: bool, schedule=SCHEDULE, rank: int = 0, world: int = 1):
-    """Returns the fp32 master weights by name, the final loss scale and the skipped steps."""
+def train_reference(model, zero_grad: bool, schedule=SCHEDULE, rank: int = 0, world: int = 1, clip: float = 0.0):
+    """Returns the fp32 master weights by name, the final loss scale, the skipped steps and
+    the steps whose gradient clipping (of the unscaled gradients, as torch's) scaled them down."""
     half = copy.deepcopy(model).half()
     master = {name: p.detach().float().clone() for name, p in half.named_parameters()}
-    scale, skipped = 2.0 ** INITIAL_SCALE_POWER, 0
+    scale, skipped, clipped = 2.0 ** INITIAL_SCALE_POWER, 0, 0
     for step in range(len(schedule)):
         first, second = losses(half(mt.batches(step, rank)[0].half(), (0, 1)), step, schedule)
         (first * scale).backward(retain_graph=True)
@@ -96,13 +97,19 @@ def train_reference(model, zero_grad: bool, schedule=SCHEDULE, rank: int = 0, wo
         if not all(torch.isfinite(g).all() for g in grads.values()):
             scale, skipped = scale / 2, skipped + 1
         else:
+            unscaled = {name: grad.float() / scale for name, grad in grads.items()}
+            coefficient = 1.0
+            if clip > 0:  # torch.nn.utils.clip_grad_norm_'s rule
+                norm = torch.sqrt(sum(g.pow(2).sum() for g in unscaled.values())).item()
+                coefficient = min(1.0, clip / (norm + 1e-6))
+                clipped += coefficient < 1.0
             with torch.no_grad():
                 for name, p in half.named_parameters():
-                    if name in grads:
-                        master[name] -= mt.LR * grads[name].float() / scale
+                    if name in unscaled:
+                        master[name] -= mt.LR * coefficient * unscaled[name]
                         p.copy_(master[name])
         half.zero_grad()
-    return master, scale, skipped
+    return master, scale, skipped, clipped
 
 
 def compare(engine, master):

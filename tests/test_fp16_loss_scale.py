@@ -21,13 +21,15 @@ BUCKETS = [100, 1000]
 PATHS = ["engine", "scale"] if TORCH_STYLE_BACKWARD else ["engine"]
 
 
-def _run(stage, offload, path, zero_grad, bucket, install=True):
+def _run(stage, offload, path, zero_grad, bucket, install=True, clip=0.0, clipped_steps=None):
     model, reference = mt.make_models()
-    engine = fp16.build_engine(model, stage, offload, bucket)
+    engine = fp16.build_engine(model, stage, offload, bucket, clip)
     if install:
         zero_lifetime.install(engine)
     fp16.train_engine(engine, path, zero_grad)
-    master, scale, skipped = fp16.train_reference(reference, zero_grad)
+    master, scale, skipped, clipped = fp16.train_reference(reference, zero_grad, clip=clip)
+    if clipped_steps is not None:
+        clipped_steps.append(clipped)
     return fp16.compare(engine, master), fp16.scale_and_skips(engine), (scale, skipped)
 
 
@@ -53,6 +55,23 @@ def test_overflow_dropped_by_zero_grad_does_not_skip(stage, offload, path, bucke
     """The "first" step's overflow is gone with zero_grad(): that step is taken."""
     diffs, got, want = _run(stage, offload, path, zero_grad=True, bucket=bucket)
     assert want[1] == 2, "only the steps whose second loss is boosted skip"
+    assert got == want, f"(loss scale, skipped steps): engine {got}, torch {want}"
+    assert max(diffs.values()) <= 1e-4, diffs
+
+
+CLIPPING = [(stage, offload, zero_grad) for stage, offload in STAGES_OFFLOAD for zero_grad in (True, False)
+            if zero_grad or (stage, offload) in SUMMING]
+
+
+@pytest.mark.parametrize("stage,offload,zero_grad", CLIPPING,
+                         ids=[f"{STAGE_IDS[STAGES_OFFLOAD.index((s, o))]}-{'zero_grad' if z else 'no_zero_grad'}"
+                              for s, o, z in CLIPPING])
+def test_overflow_and_gradient_clipping(stage, offload, zero_grad):
+    """Clipping on: the norm is taken over the unscaled, summed gradients of the steps taken."""
+    clipped_steps = []
+    diffs, got, want = _run(stage, offload, "engine", zero_grad, bucket=1000, clip=0.05,
+                            clipped_steps=clipped_steps)
+    assert clipped_steps[0] >= 3, "clipping should engage in most of the steps taken"
     assert got == want, f"(loss scale, skipped steps): engine {got}, torch {want}"
     assert max(diffs.values()) <= 1e-4, diffs
 
