@@ -21,6 +21,7 @@ import torch
 import deepspeed
 import multitask as mt
 from deepspeed.accelerator import get_accelerator
+from harness import backward_both
 
 INITIAL_SCALE_POWER = 8
 BOOST = 1e6  # times the loss: scaled fp16 gradients far past 65504
@@ -63,16 +64,7 @@ def train_engine(engine, path: str, zero_grad: bool, schedule=SCHEDULE, rank: in
     """path: engine.backward(loss), or the torch-style engine.scale(loss).backward() (0.18+)."""
     for step in range(len(schedule)):
         first, second = losses(engine(mt.batches(step, rank)[0].half(), (0, 1)), step, schedule)
-        if path == "engine":
-            engine.backward(first, retain_graph=True)
-        else:
-            engine.scale(first).backward(retain_graph=True)
-        if zero_grad:
-            engine.zero_grad()
-        if path == "engine":
-            engine.backward(second)
-        else:
-            engine.scale(second).backward()
+        backward_both(engine, first, second, path, zero_grad)
         engine.step()
 
 

@@ -40,7 +40,11 @@ class MultiTask(torch.nn.Module):
 
 # Every ZeRO stage with and without CPU optimizer offload, and their test ids.
 STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
-STAGE_IDS = [f"stage{s}-{'offload' if o else 'no_offload'}" for s, o in STAGES_OFFLOAD]
+def stage_id(stage: int, offload: bool) -> str:
+    return f"stage{stage}-{'offload' if offload else 'no_offload'}"
+
+
+STAGE_IDS = [stage_id(s, o) for s, o in STAGES_OFFLOAD]
 SAMPLED_TASKS = [(0, 1), (1,), (2, 1), (1,)]  # head 0 only in step 0, head 2 from step 2
 
 
