@@ -294,6 +294,18 @@ def test_public_api_on_meta_and_lists():
     ops.bucket_fill(buffer, (torch.empty(3, device="meta"),), (2**33 - 3,), 2)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["direct", "declined-to-dispatcher"])
+def test_public_api_reads_one_shot_iterables_once(requires_grad):
+    # The direct entry reads tensors and offsets first; where it declines (autograd), the op
+    # must still get every item, so one-shot iterables are materialised before either.
+    grads = [torch.randn(5, requires_grad=requires_grad), torch.randn(3)]
+    buffer = torch.zeros(8)
+    with torch.no_grad():
+        ops.bucket_fill(buffer, iter(grads), iter([3, 0]), 2.0)
+    expected = torch.cat([grads[1], grads[0]]).detach() * 2.0
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ gather_copy_out
 def deepspeed_unshard(gathered, shard_numels, numels, world_size, dtype):
     """AllGatherCoalescedHandle.wait: one torch.cat of the ranks' shards per parameter."""

@@ -76,6 +76,11 @@ def _resolve(device_type: str) -> Tuple[Callable, Callable]:
     return impls
 
 
+def _as_sequence(items):
+    """items itself when it can be read twice (fast path, then fallback), else a list."""
+    return items if isinstance(items, (list, tuple)) else list(items)
+
+
 def bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
                 offsets: Sequence[int], scale: float = 1.0) -> None:
     """buffer[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten() * scale,
@@ -87,11 +92,12 @@ def bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     place). Offsets are element offsets (64-bit)."""
     device_type = buffer.device.type
     impls = _impls.get(device_type) or _resolve(device_type)
-    tensors, offsets, scale = list(tensors), list(offsets), float(scale)
+    # Lists and tuples as they are: copying 8K-element lists costs 5% of a fill of 8K grads.
+    tensors, offsets, scale = _as_sequence(tensors), _as_sequence(offsets), float(scale)
     fast = _fast.get(device_type) if impls is not _REFERENCE else None
     if fast is not None and not torch.compiler.is_compiling() and fast[0](buffer, tensors, offsets, scale):
         return
-    impls[0](buffer, tensors, offsets, scale)
+    impls[0](buffer, list(tensors), list(offsets), scale)
 
 
 def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Sequence[int],

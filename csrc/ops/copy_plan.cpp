@@ -34,8 +34,8 @@ void check_dtype(const char* op, const char* name, const at::Tensor& t) {
 }
 
 // The message is only built on failure: this runs once per tensor on the hot path.
-void check_element_dtype(const char* op, size_t index, const at::Tensor& t) {
-  TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(),
+void check_element_dtype(const char* op, size_t index, c10::ScalarType dtype) {
+  TORCH_CHECK(supported_dtype(dtype), op, ": unsupported dtype ", dtype,
               " for tensors[", index, "]; expected float32, bfloat16 or float16");
 }
 
@@ -43,18 +43,22 @@ void check_element_dtype(const char* op, size_t index, const at::Tensor& t) {
 std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   const int64_t numel = t.numel();
   if (numel == 0) return {0, 0};
-  int64_t extent = numel;  // contiguous: the common case, no per-dimension walk
-  if (!t.is_contiguous()) {
-    extent = 1;
-    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  }
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
   auto start = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   return {start, start + static_cast<uintptr_t>(extent) * t.element_size()};
 }
 
-bool aliases_own_slice(const at::Tensor& buffer, const at::Tensor& t, int64_t offset) {
-  return t.scalar_type() == buffer.scalar_type() && t.is_contiguous() &&
-         t.const_data_ptr() ==
+std::pair<uintptr_t, uintptr_t> byte_span(const SourceInfo& s) {
+  if (s.numel == 0) return {0, 0};
+  if (!s.contiguous) return byte_span(*s.tensor);  // rare: walk the strides
+  auto start = reinterpret_cast<uintptr_t>(s.data);
+  return {start, start + static_cast<uintptr_t>(s.numel) * c10::elementSize(s.dtype)};
+}
+
+bool aliases_own_slice(const at::Tensor& buffer, const SourceInfo& s, int64_t offset) {
+  return s.dtype == buffer.scalar_type() && s.contiguous &&
+         s.data ==
              static_cast<const char*>(buffer.const_data_ptr()) + offset * buffer.element_size();
 }
 
@@ -68,32 +72,42 @@ void set_cuda_plan_runner(CudaPlanRunner runner) { registered_cuda_runner.store(
 
 CudaPlanRunner cuda_plan_runner() { return registered_cuda_runner.load(std::memory_order_acquire); }
 
-std::vector<const at::Tensor*> tensor_refs(at::TensorList tensors) {
-  std::vector<const at::Tensor*> refs;
-  refs.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) refs.push_back(&t);
-  return refs;
+SourceInfo describe_source(const at::Tensor& t, bool with_memory) {
+  SourceInfo s{&t, nullptr, numel_of(t), t.device(), t.scalar_type(), false};
+  if (with_memory) {
+    s.contiguous = t.is_contiguous();
+    s.data = t.const_data_ptr();
+  }
+  return s;
 }
 
-void check_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArrayRef offsets,
+std::vector<SourceInfo> describe_sources(at::TensorList tensors, bool with_memory) {
+  std::vector<SourceInfo> sources;
+  sources.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) sources.push_back(describe_source(t, with_memory));
+  return sources;
+}
+
+void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayRef offsets,
                        bool check_memory) {
   constexpr const char* op = "bucket_fill";
   check_flat(op, "buffer", buffer);
   check_dtype(op, "buffer", buffer);
-  TORCH_CHECK(tensors.size() == offsets.size(), op, ": got ", tensors.size(),
+  TORCH_CHECK(sources.size() == offsets.size(), op, ": got ", sources.size(),
               " tensors but ", offsets.size(), " offsets");
   const int64_t buffer_numel = numel_of(buffer);
   // (begin, end, index) of the non-empty destination ranges, sorted for the overlap check.
   std::vector<std::tuple<int64_t, int64_t, size_t>> ranges;
-  ranges.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = *tensors[i];
-    TORCH_CHECK(t.device() == buffer.device(), op, ": tensors[", i, "] is on ", t.device(),
-                " but buffer is on ", buffer.device());
-    check_element_dtype(op, i, t);
+  ranges.reserve(sources.size());
+  const c10::Device device = buffer.device();
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const SourceInfo& s = sources[i];
+    TORCH_CHECK(s.device == device, op, ": tensors[", i, "] is on ", s.device,
+                " but buffer is on ", device);
+    check_element_dtype(op, i, s.dtype);
     const int64_t offset = offsets[i];
     TORCH_CHECK(offset >= 0, op, ": offsets[", i, "] is negative (", offset, ")");
-    const int64_t n = numel_of(t);
+    const int64_t n = s.numel;
     // Written as a subtraction: offset + n could overflow for absurd offsets.
     TORCH_CHECK(offset <= buffer_numel - n, op, ": tensors[", i, "] (", n,
                 " elements at offset ", offset, ") is out of bounds of the buffer (",
@@ -116,10 +130,10 @@ void check_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArr
   const auto base = reinterpret_cast<uintptr_t>(buffer.const_data_ptr());
   const auto itemsize = static_cast<uintptr_t>(buffer.element_size());
   const uintptr_t buffer_end = base + static_cast<uintptr_t>(buffer_numel) * itemsize;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto [lo, hi] = byte_span(*tensors[i]);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const auto [lo, hi] = byte_span(sources[i]);
     if (lo == hi || hi <= base || lo >= buffer_end) continue;
-    if (aliases_own_slice(buffer, *tensors[i], offsets[i])) continue;
+    if (aliases_own_slice(buffer, sources[i], offsets[i])) continue;
     // First destination range ending after `lo`; it overlaps if it also starts before `hi`.
     const int64_t first_elem = static_cast<int64_t>((std::max(lo, base) - base) / itemsize);
     auto it = std::upper_bound(ranges.begin(), ranges.end(), first_elem,
@@ -170,28 +184,27 @@ void check_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
               ": out overlaps gathered in memory");
 }
 
-CopyPlan plan_bucket_fill(const at::Tensor& buffer, TensorRefs tensors, c10::IntArrayRef offsets,
+CopyPlan plan_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayRef offsets,
                           double scale) {
   CopyPlan plan;
   plan.dst = buffer.data_ptr();
   plan.dst_dtype = buffer.scalar_type();
   plan.scale = static_cast<float>(scale);
-  plan.segments.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = *tensors[i];
-    const int64_t n = t.numel();
-    if (n == 0) continue;
-    if (aliases_own_slice(buffer, t, offsets[i])) {
+  plan.segments.reserve(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const SourceInfo& s = sources[i];
+    if (s.numel == 0) continue;
+    if (aliases_own_slice(buffer, s, offsets[i])) {
       if (plan.scale == 1.0f) continue;  // already in place
       // else: an element-wise in-place scale, each element read before it is written
     }
-    const void* src = t.const_data_ptr();
-    if (!t.is_contiguous()) {
-      plan.keep_alive.push_back(t.contiguous());
+    const void* src = s.data;
+    if (!s.contiguous) {
+      plan.keep_alive.push_back(s.tensor->contiguous());
       src = plan.keep_alive.back().const_data_ptr();
     }
-    plan.segments.push_back({src, offsets[i], n, t.scalar_type()});
-    plan.total_numel += n;
+    plan.segments.push_back({src, offsets[i], s.numel, s.dtype});
+    plan.total_numel += s.numel;
   }
   return plan;
 }

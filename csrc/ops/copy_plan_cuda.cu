@@ -132,10 +132,11 @@ void run_plan_cuda(const CopyPlan& plan, const at::Tensor& dst_tensor) {
 
 void bucket_fill_cuda(const at::Tensor& buffer, at::TensorList tensors, c10::IntArrayRef offsets,
                       double scale) {
-  check_bucket_fill(buffer, tensors, offsets, /*check_memory=*/true);
+  const std::vector<SourceInfo> sources = describe_sources(tensors, /*with_memory=*/true);
+  check_bucket_fill(buffer, sources, offsets, /*check_memory=*/true);
   const c10::cuda::CUDAGuard device_guard(buffer.device());  // planning may copy on the device
   // keep_alive (contiguous copies) dies after the launch: freed stream-ordered, safe.
-  run_plan_cuda(plan_bucket_fill(buffer, tensors, offsets, scale), buffer);
+  run_plan_cuda(plan_bucket_fill(buffer, sources, offsets, scale), buffer);
 }
 
 void gather_copy_out_cuda(const at::Tensor& gathered, const at::Tensor& out,

@@ -80,18 +80,22 @@ bool bucket_fill_fast(py::handle buffer_obj, py::handle tensors, py::handle offs
   // whatever another thread does to the list.
   py::tuple owners = py::reinterpret_steal<py::tuple>(PySequence_Tuple(tensors.ptr()));
   if (!owners) throw py::error_already_set();
-  std::vector<const at::Tensor*> refs(owners.size());
-  for (size_t i = 0; i < refs.size(); ++i) {
-    refs[i] = plain_tensor(PyTuple_GET_ITEM(owners.ptr(), i));
-    if (refs[i] == nullptr) return false;
+  // Everything the checks and the plan need is read here, in the one pass that already
+  // touches each TensorImpl (see SourceInfo).
+  std::vector<SourceInfo> sources;
+  sources.reserve(owners.size());
+  for (size_t i = 0; i < owners.size(); ++i) {
+    const at::Tensor* t = plain_tensor(PyTuple_GET_ITEM(owners.ptr(), i));
+    if (t == nullptr) return false;
+    sources.push_back(describe_source(*t, /*with_memory=*/true));
   }
   const std::vector<int64_t> offset_values = int_values(offsets, "offsets must be a sequence");
   {
     py::gil_scoped_release no_gil;
     RECORD_FUNCTION("zero_lifetime::bucket_fill", std::vector<c10::IValue>());
-    check_bucket_fill(*buffer, TensorRefs(refs), offset_values, /*check_memory=*/true);
+    check_bucket_fill(*buffer, sources, offset_values, /*check_memory=*/true);
     const DeviceOf device_guard(*buffer);  // planning may copy on the device
-    run_plan(plan_bucket_fill(*buffer, TensorRefs(refs), offset_values, scale), *buffer);
+    run_plan(plan_bucket_fill(*buffer, sources, offset_values, scale), *buffer);
   }
   // What the dispatcher's in-place handling does for a mutated argument.
   buffer->unsafeGetTensorImpl()->bump_version();

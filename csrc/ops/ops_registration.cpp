@@ -10,8 +10,9 @@ namespace {
 
 void bucket_fill_cpu(const at::Tensor& buffer, at::TensorList tensors,
                      c10::IntArrayRef offsets, double scale) {
-  check_bucket_fill(buffer, tensors, offsets, /*check_memory=*/true);
-  run_plan_cpu(plan_bucket_fill(buffer, tensors, offsets, scale));
+  const std::vector<SourceInfo> sources = describe_sources(tensors, /*with_memory=*/true);
+  check_bucket_fill(buffer, sources, offsets, /*check_memory=*/true);
+  run_plan_cpu(plan_bucket_fill(buffer, sources, offsets, scale));
 }
 
 void gather_copy_out_cpu(const at::Tensor& gathered, const at::Tensor& out,
@@ -24,7 +25,8 @@ void gather_copy_out_cpu(const at::Tensor& gathered, const at::Tensor& out,
 // Meta (and fake tensors): the checks alone, so 64-bit sizes validate without memory.
 void bucket_fill_meta(const at::Tensor& buffer, at::TensorList tensors,
                       c10::IntArrayRef offsets, double /*scale*/) {
-  check_bucket_fill(buffer, tensors, offsets, /*check_memory=*/false);
+  check_bucket_fill(buffer, describe_sources(tensors, /*with_memory=*/false), offsets,
+                    /*check_memory=*/false);
 }
 
 void gather_copy_out_meta(const at::Tensor& gathered, const at::Tensor& out,
