@@ -40,6 +40,8 @@ class MultiTask(torch.nn.Module):
 
 # Every ZeRO stage with and without CPU optimizer offload, and their test ids.
 STAGES_OFFLOAD = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
+
+
 def stage_id(stage: int, offload: bool) -> str:
     return f"stage{stage}-{'offload' if offload else 'no_offload'}"
 

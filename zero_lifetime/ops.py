@@ -92,12 +92,12 @@ def bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     place). Offsets are element offsets (64-bit)."""
     device_type = buffer.device.type
     impls = _impls.get(device_type) or _resolve(device_type)
-    # Lists and tuples as they are: copying 8K-element lists costs 5% of a fill of 8K grads.
+    # Lists and tuples as they are: copying two 8K-element lists costs ~45 us (~1% of a fill of 8K grads).
     tensors, offsets, scale = _as_sequence(tensors), _as_sequence(offsets), float(scale)
     fast = _fast.get(device_type) if impls is not _REFERENCE else None
     if fast is not None and not torch.compiler.is_compiling() and fast[0](buffer, tensors, offsets, scale):
         return
-    impls[0](buffer, list(tensors), list(offsets), scale)
+    impls[0](buffer, tensors, offsets, scale)
 
 
 def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Sequence[int],
