@@ -1,0 +1,73 @@
+"""Where the CPU fused bucket fill loses to one contiguous copy with thousands of small grads.
+
+    python benchmarks/fill_host_cost.py [--tensors 8192] [--numel 1024] [--rounds 15]
+
+Side by side in one process, methods interleaved round by round (medians of per-round
+medians of 10 calls), each as time / the roofline ``buffer.copy_(flat)`` of the same bytes:
+
+* scattered: one separately allocated source per grad (what autograd hands over);
+* contiguous views: the same bytes as views of one flat tensor (no scattered sources);
+* host work only: the same number of 1-element sources, so nearly nothing is copied;
+* tuple input: the scattered sources passed as a prebuilt tuple instead of a list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from zero_lifetime import ops
+
+
+def _median_call(fn, calls=10):
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=8192)
+    parser.add_argument("--numel", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    n, numel = args.tensors, args.numel
+    if not ops.native_available():
+        raise SystemExit("fill_host_cost: the compiled extension is not available (python -m zero_lifetime.env_report)")
+
+    scattered = [torch.randn(numel) for _ in range(n)]
+    flat = torch.randn(n * numel)
+    views = list(flat.split(numel))
+    single_elements = [torch.randn(1) for _ in range(n)]
+    offsets = [i * numel for i in range(n)]
+    buffer = torch.empty(n * numel)
+    tuple_sources, tuple_offsets = tuple(scattered), tuple(offsets)
+    methods = {
+        "roofline copy_": lambda: buffer.copy_(flat),
+        "fused, scattered sources": lambda: ops.bucket_fill(buffer, scattered, offsets),
+        "fused, contiguous views": lambda: ops.bucket_fill(buffer, views, offsets),
+        "fused, host work only": lambda: ops.bucket_fill(buffer, single_elements, offsets),
+        "fused, scattered, tuple input": lambda: ops.bucket_fill(buffer, tuple_sources, tuple_offsets),
+    }
+    for fn in methods.values():  # warm-up
+        fn()
+    samples = {name: [] for name in methods}
+    for _ in range(args.rounds):
+        for name, fn in methods.items():
+            samples[name].append(_median_call(fn))
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    roofline = medians["roofline copy_"]
+    print(f"{n} x {numel} fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name, seconds in medians.items():
+        print(f"{name:<32}{seconds * 1e3:>8.2f} ms{seconds / roofline:>7.2f}x roofline"
+              f"{seconds / n * 1e9:>8.0f} ns per tensor")
+
+
+if __name__ == "__main__":
+    main()
