@@ -1,4 +1,3 @@
-import glob
 import os
 import sys
 
@@ -27,14 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def pytest_sessionfinish(session, exitstatus):
     """Remove the shared-memory buffers DeepSpeed's CPU communication left for our ports.
 
-    DeepSpeed 0.19.8 creates /dev/shm/deepspeed_allreduce_buffer_<rank>_<addr>_<port>_<n>
-    (66 MB each) per rank and process group and never unlinks them (csrc/cpu/comm/shm.cpp
-    defines shared_close but nothing calls it): a suite run leaves gigabytes of RAM behind.
-    Only files named with a port of this session go: concurrent runs keep theirs.
+    Ranks spawned by the tests run on ports from free_port and never clean up (a DeepSpeed
+    leak: single_rank.remove_shm_buffers). Only this session's ports: concurrent runs keep theirs.
     """
     for port in _PORTS:
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+        single_rank.remove_shm_buffers(port)

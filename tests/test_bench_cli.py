@@ -3,7 +3,9 @@
 Timings are never asserted: only that the benchmarks run, report and record what they measured.
 """
 
+import glob
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,10 @@ def run_cli(*args, timeout=120):
     # DeepSpeed benchmarks initialise torch.distributed: a subprocess keeps pytest's process clean.
     return subprocess.run([sys.executable, "-m", "zero_lifetime.bench", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env_for_own_rank0())
+
+
+def own_shm_buffers() -> set:
+    return set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"))
 
 
 def load(path):
@@ -54,8 +60,11 @@ def assert_deepspeed_path_rows(payload, command):
 ])
 def test_deepspeed_subcommands_run_and_record_samples(tmp_path, command, extra, methods):
     out = tmp_path / "bench.json"
+    shm_before = own_shm_buffers()
     proc = run_cli(command, "--quick", "--json", str(out), *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # DeepSpeed never unlinks its CPU all-reduce buffers (66 MB of RAM each): the bench's own runs must
+    assert own_shm_buffers() - shm_before == set()
     assert "| case | method |" in proc.stdout
     payload = load(out)
     seen = set()

@@ -28,7 +28,7 @@ WORKER_TIMEOUT_S = 300
 
 
 def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress = None) -> List[Result]:
-    from ..single_rank import free_port
+    from ..single_rank import free_port, remove_shm_buffers
     shapes = sizes.shapes(quick)
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "spec.json")
@@ -54,6 +54,9 @@ def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress =
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
+            for proc in procs:
+                proc.wait()
+            remove_shm_buffers(port)  # every rank is gone: DeepSpeed leaves its buffers behind
         failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
         if failed:
             tail = "\n".join(logs[failed[0][0]].splitlines()[-15:]) if len(logs) > failed[0][0] else ""
