@@ -463,3 +463,54 @@ def test_forced_python_fallback_gives_identical_results(tmp_path):
     buffer, out = _fill_and_gather_mixed_dtypes(ops)
     assert_same(buffer, python_result["buffer"])
     assert_same(out, python_result["out"])
+
+
+def test_streaming_store_threshold_is_settable_and_checked():
+    _native_ops("cpu")
+    default = ops.streaming_store_threshold()
+    assert default > 0
+    previous = ops.set_streaming_store_threshold(123)
+    try:
+        assert previous == default and ops.streaming_store_threshold() == 123
+        with pytest.raises(RuntimeError, match="must be >= 0 bytes"):
+            ops.set_streaming_store_threshold(-1)
+        assert ops.streaming_store_threshold() == 123
+    finally:
+        ops.set_streaming_store_threshold(default)
+
+
+def test_streaming_store_threshold_needs_the_compiled_ops(monkeypatch):
+    monkeypatch.setenv("ZERO_LIFETIME_FORCE_PYTHON", "1")
+    with pytest.raises(RuntimeError, match="compiled CPU ops are not loaded"):
+        ops.streaming_store_threshold()
+
+
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
+def test_destinations_past_the_streaming_threshold(src_dtype, dst_dtype):
+    """The default CPU path of big buckets and gathers (non-temporal stores): the reference's
+    bits, with sources and shards of odd lengths, so every store alignment and tail occurs."""
+    _native_ops("cpu")
+    itemsize = torch.empty(0, dtype=dst_dtype).element_size()
+    rng = random.Random(7)
+    sizes, total = [], 0
+    while total * itemsize < ops.streaming_store_threshold() + 4096:
+        sizes.append(rng.choice((1, 3, 8, 13, 100, 1023, 4097, 65537)))
+        total += sizes[-1]
+    tensors = [torch.randn(n).to(src_dtype) for n in sizes]
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n + 1)  # one-element gaps: destinations start anywhere
+    buffer = torch.randn(offsets[-1] + sizes[-1] + 3).to(dst_dtype)
+    want = buffer.clone()
+    ops.bucket_fill(buffer, tensors, offsets, 0.5)
+    ops_reference.bucket_fill(want, tensors, offsets, 0.5)
+    assert_same(buffer, want)
+
+    world = 3
+    shards = [-(-n // world) for n in sizes]
+    gathered = torch.randn(world * sum(shards)).to(src_dtype)
+    out, out_want = torch.empty(total, dtype=dst_dtype), torch.empty(total, dtype=dst_dtype)
+    ops.gather_copy_out(gathered, out, shards, sizes, world)
+    ops_reference.gather_copy_out(gathered, out_want, shards, sizes, world)
+    assert_same(out, out_want)

@@ -4,7 +4,10 @@ Random cases: tensor counts (0 to thousands), sizes (empty, 1, odd, up to ~70K),
 and buffer dtypes (fp32/bf16/fp16, mixed in one call), offsets with random gaps and
 order, scales, non-contiguous sources, sources that are their own destination slice,
 and ~10% invalid inputs (overlaps, out of bounds, aliasing), which must fail with the
-reference's message and leave the buffer untouched. Results must be bit-identical.
+reference's message and leave the buffer untouched. Results must be bit-identical. On CPU
+every case runs twice: with the default store path (small destinations: cached stores) and
+with non-temporal stores forced on (ops.set_streaming_store_threshold(0)), whose aligned body,
+unaligned head and tail must give the same bits.
 
 ZL_FUZZ_CASES sets the number of cases per op (CI default 1500; release testing: 20000).
 The figures are printed (pytest -s) and recorded in docs/reliability.md.
@@ -22,6 +25,21 @@ CASES = int(os.environ.get("ZL_FUZZ_CASES", "1500"))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no GPU"))]
+
+
+@pytest.fixture(params=["default_stores", "streaming_stores"])
+def store_path(request):
+    """The CPU store path: as configured, or non-temporal stores for every destination."""
+    if request.param == "default_stores":
+        yield request.param
+        return
+    if not ops.native_available():
+        pytest.skip("compiled extension unavailable")
+    previous = ops.set_streaming_store_threshold(0)
+    try:
+        yield request.param
+    finally:
+        ops.set_streaming_store_threshold(previous)
 
 
 def _native_or_skip():
@@ -122,7 +140,7 @@ def _run(fn, *args):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fuzz_bucket_fill(device):
+def test_fuzz_bucket_fill(device, store_path):
     native_fill, _ = _native_or_skip()
     rng = random.Random(20261122)
     stats = {"cases": 0, "invalid": 0, "own_slice": 0, "tensors": 0, "elements": 0}
@@ -145,12 +163,12 @@ def test_fuzz_bucket_fill(device):
         stats["own_slice"] += own is not None
         stats["tensors"] += len(tensors)
         stats["elements"] += sum(t.numel() for t in tensors)
-    print(f"\nfuzz bucket_fill on {device}: {stats}")
+    print(f"\nfuzz bucket_fill on {device} ({store_path}): {stats}")
     assert stats["invalid"] > 0 and stats["cases"] == CASES
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fuzz_gather_copy_out(device):
+def test_fuzz_gather_copy_out(device, store_path):
     _, native_gather = _native_or_skip()
     rng = random.Random(11222026)
     stats = {"cases": 0, "invalid": 0, "params": 0, "elements": 0}
@@ -170,5 +188,5 @@ def test_fuzz_gather_copy_out(device):
         stats["cases"] += 1
         stats["params"] += len(shards)
         stats["elements"] += sum(numels)
-    print(f"\nfuzz gather_copy_out on {device}: {stats}")
+    print(f"\nfuzz gather_copy_out on {device} ({store_path}): {stats}")
     assert stats["invalid"] > 0 and stats["cases"] == CASES

@@ -115,3 +115,25 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
             and fast[1](gathered, out, shard_numels, numels, world_size)):
         return
     impls[1](gathered, out, shard_numels, numels, world_size)
+
+
+def streaming_store_threshold() -> int:
+    """Destination bytes from which the compiled CPU ops write with non-temporal stores.
+
+    Those skip reading each destination cache line before overwriting it: faster for copies
+    larger than the CPU's cache, slower for ones the next op would read from the cache."""
+    return _compiled_module("streaming_store_threshold").streaming_store_threshold()
+
+
+def set_streaming_store_threshold(nbytes: int) -> int:
+    """Set :func:`streaming_store_threshold` (0: always, a huge value: never) for this process;
+    returns the previous value."""
+    return _compiled_module("set_streaming_store_threshold").set_streaming_store_threshold(int(nbytes))
+
+
+def _compiled_module(what: str):
+    module = _native.load() if not _native.force_python() else None
+    if module is None or not hasattr(module, what):
+        raise RuntimeError(f"zero_lifetime.ops.{what}: the compiled CPU ops are not loaded "
+                           f"({_native.status()['error'] or 'ZERO_LIFETIME_FORCE_PYTHON=1'})")
+    return module

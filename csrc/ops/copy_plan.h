@@ -64,6 +64,11 @@ CopyPlan plan_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
 
 void run_plan_cpu(const CopyPlan& plan);
 
+// CPU plans whose destination holds at least this many bytes use non-temporal stores (x86-64
+// builds; elsewhere never). The setter returns the previous value.
+int64_t streaming_store_threshold();
+int64_t set_streaming_store_threshold(int64_t bytes);
+
 // Runs a plan on the current CUDA stream of dst's device. Set by copy_plan_cuda.cu when it
 // is compiled in (a registration, not a symbol: CPU-only builds must link without it), so
 // the direct Python entries (fast_path.cpp, built by the host compiler) can reach it.

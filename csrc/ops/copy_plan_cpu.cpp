@@ -7,6 +7,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -24,6 +26,12 @@ using c10::ScalarType;
 // enough to amortise waking a thread. Chunks are cut at any element, across segments.
 constexpr int64_t kGrainSize = 32768;
 constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
+
+// Destinations of at least this many bytes are written with non-temporal (streaming) stores:
+// they skip reading every destination line into the cache before overwriting it. On the CPU
+// of docs/benchmarks.md that made copies of 16-32 MB 10-25% faster; up to ~8 MB (a destination
+// that fits the cache, where the next op reads it) they were 10-70% slower.
+std::atomic<int64_t> streaming_threshold_bytes{16 << 20};
 
 // Scalar conversion, same rounding as the vector paths and as torch's copy_ (nearest even).
 template <typename Src, typename Dst>
@@ -69,9 +77,25 @@ ZL_AVX2 inline __m256 load8(ScalarType t, const void* p) {
   }
 }
 
+template <bool Streaming>
+ZL_AVX2 inline void store16_bytes(void* p, __m128i v) {
+  if constexpr (Streaming) {
+    _mm_stream_si128(static_cast<__m128i*>(p), v);  // p 16-byte aligned (see convert_avx2_typed)
+  } else {
+    _mm_storeu_si128(static_cast<__m128i*>(p), v);
+  }
+}
+
+template <bool Streaming>
 ZL_AVX2 inline void store8(ScalarType t, void* p, __m256 v) {
   switch (t) {
-    case ScalarType::Float: _mm256_storeu_ps(static_cast<float*>(p), v); return;
+    case ScalarType::Float:
+      if constexpr (Streaming) {
+        _mm256_stream_ps(static_cast<float*>(p), v);  // p 32-byte aligned (see convert_avx2_typed)
+      } else {
+        _mm256_storeu_ps(static_cast<float*>(p), v);
+      }
+      return;
     case ScalarType::BFloat16: {
       // Round to nearest even; NaN becomes 0x7FC0 as in c10::BFloat16.
       const __m256i bits = _mm256_castps_si256(v);
@@ -82,49 +106,87 @@ ZL_AVX2 inline void store8(ScalarType t, void* p, __m256 v) {
       rounded = _mm256_srli_epi32(rounded, 16);
       const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
                                               _mm256_extracti128_si256(rounded, 1));
-      _mm_storeu_si128(static_cast<__m128i*>(p), packed);
+      store16_bytes<Streaming>(p, packed);
       return;
     }
     default:
-      _mm_storeu_si128(static_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+      store16_bytes<Streaming>(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   }
 }
 
+// Fewer than 8 elements through an 8-element staging area: same rounding as the body.
 template <ScalarType Src, ScalarType Dst>
+ZL_AVX2 void convert_staged(const char* src, char* dst, int64_t n, __m256 factor) {
+  constexpr int64_t src_size = Src == ScalarType::Float ? 4 : 2;
+  constexpr int64_t dst_size = Dst == ScalarType::Float ? 4 : 2;
+  alignas(32) char in[32] = {};
+  alignas(32) char out[32];
+  std::memcpy(in, src, n * src_size);
+  store8<false>(Dst, out, _mm256_mul_ps(load8(Src, in), factor));
+  std::memcpy(dst, out, n * dst_size);
+}
+
+template <ScalarType Src, ScalarType Dst, bool Streaming>
 ZL_AVX2 void convert_avx2_typed(const char* src, char* dst, int64_t n, float scale) {
   constexpr int64_t src_size = Src == ScalarType::Float ? 4 : 2;
   constexpr int64_t dst_size = Dst == ScalarType::Float ? 4 : 2;
+  constexpr int64_t step_bytes = 8 * dst_size;  // one store8; streaming stores need it aligned
   const __m256 factor = _mm256_set1_ps(scale);
   int64_t k = 0;
+  if constexpr (Streaming) {
+    const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % step_bytes);
+    if (misaligned % dst_size != 0) {  // never for tensor storage; plain stores then
+      return convert_avx2_typed<Src, Dst, false>(src, dst, n, scale);
+    }
+    k = std::min(n, misaligned ? (step_bytes - misaligned) / dst_size : 0);
+    if (k > 0) convert_staged<Src, Dst>(src, dst, k, factor);
+  }
   for (; k + 8 <= n; k += 8) {
-    store8(Dst, dst + k * dst_size, _mm256_mul_ps(load8(Src, src + k * src_size), factor));
+    store8<Streaming>(Dst, dst + k * dst_size, _mm256_mul_ps(load8(Src, src + k * src_size), factor));
   }
-  if (k < n) {  // tail through an 8-element staging area: same rounding as the body
-    alignas(32) char in[32] = {};
-    alignas(32) char out[32];
-    std::memcpy(in, src + k * src_size, (n - k) * src_size);
-    store8(Dst, out, _mm256_mul_ps(load8(Src, in), factor));
-    std::memcpy(dst + k * dst_size, out, (n - k) * dst_size);
-  }
+  if (k < n) convert_staged<Src, Dst>(src + k * src_size, dst + k * dst_size, n - k, factor);
 }
 
 using ConvertFn = void (*)(const char*, char*, int64_t, float);
 
-template <ScalarType Src>
+template <ScalarType Src, bool Streaming>
 ConvertFn pick_avx2(ScalarType dst) {
   switch (dst) {
-    case ScalarType::Float: return convert_avx2_typed<Src, ScalarType::Float>;
-    case ScalarType::BFloat16: return convert_avx2_typed<Src, ScalarType::BFloat16>;
-    default: return convert_avx2_typed<Src, ScalarType::Half>;
+    case ScalarType::Float: return convert_avx2_typed<Src, ScalarType::Float, Streaming>;
+    case ScalarType::BFloat16: return convert_avx2_typed<Src, ScalarType::BFloat16, Streaming>;
+    default: return convert_avx2_typed<Src, ScalarType::Half, Streaming>;
   }
 }
 
+template <bool Streaming>
 ConvertFn pick_avx2(ScalarType src, ScalarType dst) {
   switch (src) {
-    case ScalarType::Float: return pick_avx2<ScalarType::Float>(dst);
-    case ScalarType::BFloat16: return pick_avx2<ScalarType::BFloat16>(dst);
-    default: return pick_avx2<ScalarType::Half>(dst);
+    case ScalarType::Float: return pick_avx2<ScalarType::Float, Streaming>(dst);
+    case ScalarType::BFloat16: return pick_avx2<ScalarType::BFloat16, Streaming>(dst);
+    default: return pick_avx2<ScalarType::Half, Streaming>(dst);
   }
+}
+
+// A plain byte copy with streaming stores (SSE2: every x86-64 CPU has it).
+void stream_copy(char* dst, const char* src, int64_t bytes) {
+  const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % 16);
+  int64_t k = std::min(bytes, misaligned ? 16 - misaligned : int64_t{0});
+  std::memcpy(dst, src, k);
+  for (; k + 64 <= bytes; k += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 48), d);
+  }
+  for (; k + 16 <= bytes; k += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
+  }
+  std::memcpy(dst + k, src + k, bytes - k);
 }
 
 bool cpu_has_avx2() {
@@ -133,7 +195,8 @@ bool cpu_has_avx2() {
 }
 #endif  // ZL_HAVE_AVX2_PATH
 
-void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan& plan) {
+void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan& plan,
+              bool streaming) {
   const int64_t src_size = c10::elementSize(seg.src_dtype);
   const int64_t dst_size = c10::elementSize(plan.dst_dtype);
   const char* src = static_cast<const char*>(seg.src) + begin * src_size;
@@ -141,6 +204,9 @@ void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan
   const int64_t n = end - begin;
   if (seg.src_dtype == plan.dst_dtype && plan.scale == 1.0f) {
     if (src == dst) return;
+#ifdef ZL_HAVE_AVX2_PATH
+    if (streaming) return stream_copy(dst, src, n * src_size);
+#endif
     // glibc switches to non-temporal stores for large copies (measured here: a 4 MiB
     // memcpy per thread ran ~1.5x slower than the same bytes in 256 KiB pieces).
     for (int64_t done = 0, bytes = n * src_size; done < bytes; done += kMemcpyPieceBytes) {
@@ -149,7 +215,11 @@ void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan
     return;
   }
 #ifdef ZL_HAVE_AVX2_PATH
-  if (cpu_has_avx2()) return pick_avx2(seg.src_dtype, plan.dst_dtype)(src, dst, n, plan.scale);
+  if (cpu_has_avx2()) {
+    const ConvertFn convert = streaming ? pick_avx2<true>(seg.src_dtype, plan.dst_dtype)
+                                        : pick_avx2<false>(seg.src_dtype, plan.dst_dtype);
+    return convert(src, dst, n, plan.scale);
+  }
 #endif
   convert_generic(seg.src_dtype, plan.dst_dtype, src, dst, n, plan.scale);
 }
@@ -165,16 +235,35 @@ void run_plan_cpu(const CopyPlan& plan) {
     starts[k] = position;
     position += plan.segments[k].numel;
   }
+  bool streaming = false;
+#ifdef ZL_HAVE_AVX2_PATH
+  streaming = plan.total_numel * static_cast<int64_t>(c10::elementSize(plan.dst_dtype)) >=
+              streaming_threshold_bytes.load(std::memory_order_relaxed);
+#endif
   at::parallel_for(0, plan.total_numel, kGrainSize, [&](int64_t begin, int64_t end) {
     size_t k = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
     for (; begin < end; ++k) {
       const CopySegment& seg = plan.segments[k];
       const int64_t local_begin = begin - starts[k];
       const int64_t local_end = std::min(seg.numel, end - starts[k]);
-      copy_run(seg, local_begin, local_end, plan);
+      copy_run(seg, local_begin, local_end, plan, streaming);
       begin = starts[k] + local_end;
     }
+#ifdef ZL_HAVE_AVX2_PATH
+    // Streaming stores are weakly ordered: drain them before the caller (or another thread
+    // after the join) reads the destination.
+    if (streaming) _mm_sfence();
+#endif
   });
+}
+
+int64_t streaming_store_threshold() {
+  return streaming_threshold_bytes.load(std::memory_order_relaxed);
+}
+
+int64_t set_streaming_store_threshold(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "streaming store threshold must be >= 0 bytes, got ", bytes);
+  return streaming_threshold_bytes.exchange(bytes, std::memory_order_relaxed);
 }
 
 }  // namespace zero_lifetime::ops

@@ -131,6 +131,10 @@ void add_fast_path_bindings(py::module& m) {
   m.def("gather_copy_out_fast", &gather_copy_out_fast, py::arg("gathered"), py::arg("out"),
         py::arg("shard_numels"), py::arg("numels"), py::arg("world_size"),
         "gather_copy_out for plain CPU/CUDA tensors without the dispatcher; False when it does not apply");
+  m.def("streaming_store_threshold", &streaming_store_threshold,
+        "Destination bytes from which CPU fused copies use non-temporal stores");
+  m.def("set_streaming_store_threshold", &set_streaming_store_threshold, py::arg("nbytes"),
+        "Set that threshold (0: always); returns the previous one");
   m.def("cuda_kernels_compiled", [] { return cuda_plan_runner() != nullptr; },
         "Whether this build holds the CUDA kernels the direct entries run");
 }
