@@ -28,10 +28,12 @@ constexpr int64_t kGrainSize = 32768;
 constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
 
 // Destinations of at least this many bytes are written with non-temporal (streaming) stores:
-// they skip reading every destination line into the cache before overwriting it. On the CPU
-// of docs/benchmarks.md that made copies of 16-32 MB 10-25% faster; up to ~8 MB (a destination
-// that fits the cache, where the next op reads it) they were 10-70% slower.
-std::atomic<int64_t> streaming_threshold_bytes{16 << 20};
+// they skip reading every destination line into the cache before overwriting it, but leave
+// nothing in the cache for the next reader. On the CPU of docs/benchmarks.md (32 MiB L3) they
+// lost up to 16 MiB (1.1-2.1x the time of cached stores) and won from 32 MiB (0.8-0.9x; with
+// a read of the whole destination after it, 0.9-1.1x at 32 MiB and 0.9x at 64 MiB):
+// benchmarks/streaming_threshold.py.
+std::atomic<int64_t> streaming_threshold_bytes{int64_t{32} << 20};
 
 // Scalar conversion, same rounding as the vector paths and as torch's copy_ (nearest even).
 template <typename Src, typename Dst>
