@@ -144,7 +144,8 @@ ZL_AVX2 void convert_avx2_typed(const char* src, char* dst, int64_t n, float sca
     if (k > 0) convert_staged<Src, Dst>(src, dst, k, factor);
   }
   for (; k + 8 <= n; k += 8) {
-    store8<Streaming>(Dst, dst + k * dst_size, _mm256_mul_ps(load8(Src, src + k * src_size), factor));
+    const __m256 scaled = _mm256_mul_ps(load8(Src, src + k * src_size), factor);
+    store8<Streaming>(Dst, dst + k * dst_size, scaled);
   }
   if (k < n) convert_staged<Src, Dst>(src + k * src_size, dst + k * dst_size, n - k, factor);
 }
