@@ -15,20 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from zero_lifetime import ops
-
-
-def _median_call(fn, calls=10):
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+from zero_lifetime.bench.timing import interleave
 
 
 def main():
@@ -55,12 +46,7 @@ def main():
         "fused, host work only": lambda: ops.bucket_fill(buffer, single_elements, offsets),
         "fused, scattered, tuple input": lambda: ops.bucket_fill(buffer, tuple_sources, tuple_offsets),
     }
-    for fn in methods.values():  # warm-up
-        fn()
-    samples = {name: [] for name in methods}
-    for _ in range(args.rounds):
-        for name, fn in methods.items():
-            samples[name].append(_median_call(fn))
+    samples = interleave(methods, "cpu", args.rounds, warmup=1, calls_per_round=10)
     medians = {name: statistics.median(s) for name, s in samples.items()}
     roofline = medians["roofline copy_"]
     print(f"{n} x {numel} fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -13,22 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from zero_lifetime import ops
+from zero_lifetime.bench.timing import interleave
 
 NEVER = 1 << 62
-
-
-def _median_call(fn, calls=5):
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def _with_threshold(threshold, fn):
@@ -69,12 +60,7 @@ def main():
         methods = {"cached": _with_threshold(NEVER, fill), "streaming": _with_threshold(0, fill),
                    "cached+read": _with_threshold(NEVER, fill_then_read),
                    "streaming+read": _with_threshold(0, fill_then_read)}
-        for fn in methods.values():  # warm-up
-            fn()
-        samples = {name: [] for name in methods}
-        for _ in range(args.rounds):
-            for name, fn in methods.items():
-                samples[name].append(_median_call(fn))
+        samples = interleave(methods, "cpu", args.rounds, warmup=1, calls_per_round=5)
         m = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
         print(f"{mib:>8} MiB{m['cached']:>8.3f} ms{m['streaming']:>8.3f} ms{m['streaming'] / m['cached']:>6.2f}x"
               f"{m['cached+read']:>13.3f} ms{m['streaming+read']:>8.3f} ms"

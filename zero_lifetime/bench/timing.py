@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -14,20 +15,26 @@ def synchronizer(device: str) -> Callable[[], None]:
 
 
 def interleave(methods: Dict[str, Callable[[], object]], device: str, repeats: int, warmup: int = 2,
-               setup: Optional[Dict[str, Callable[[], object]]] = None) -> Dict[str, List[float]]:
-    """Seconds per call of each method; ``setup[name]`` runs untimed before each of its calls."""
+               setup: Optional[Dict[str, Callable[[], object]]] = None,
+               calls_per_round: int = 1) -> Dict[str, List[float]]:
+    """Seconds per call of each method; ``setup[name]`` runs untimed before each of its calls.
+
+    With ``calls_per_round`` > 1 a method runs that many times in a row per round and the
+    round's sample is their median (calls too short to time one by one)."""
     sync = synchronizer(device)
     setup = setup or {}
     samples: Dict[str, List[float]] = {name: [] for name in methods}
     for round_index in range(warmup + repeats):
         for name, fn in methods.items():
-            if name in setup:
-                setup[name]()
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            elapsed = time.perf_counter() - start
+            calls = []
+            for _ in range(calls_per_round):
+                if name in setup:
+                    setup[name]()
+                sync()
+                start = time.perf_counter()
+                fn()
+                sync()
+                calls.append(time.perf_counter() - start)
             if round_index >= warmup:
-                samples[name].append(elapsed)
+                samples[name].append(statistics.median(calls))
     return samples
