@@ -3,9 +3,7 @@
 Timings are never asserted: only that the benchmarks run, report and record what they measured.
 """
 
-import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +12,7 @@ import pytest
 
 from rank_spawn import env_for_own_rank0
 from zero_lifetime.bench import cli, ds_paths, sizes
+from zero_lifetime.single_rank import shm_buffer_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,7 +25,7 @@ def run_cli(*args, timeout=120):
 
 
 def own_shm_buffers() -> set:
-    return set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"))
+    return set(shm_buffer_paths(port="*", addr="*"))
 
 
 def load(path):

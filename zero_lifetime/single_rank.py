@@ -15,7 +15,8 @@ def free_port() -> str:
 
 
 def shm_buffer_paths(port: str, addr: str = MASTER_ADDR) -> list:
-    """DeepSpeed's CPU all-reduce files for one run: ``<uid>_<addr>_<port>_<rank>``, one per rank."""
+    """DeepSpeed's CPU all-reduce files for one run: ``<uid>_<addr>_<port>_<rank>``, one per rank
+    (``"*"`` for port and addr: every run of this user)."""
     return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*")
 
 
