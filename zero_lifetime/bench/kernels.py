@@ -13,44 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
 from .. import ops
 from .env import device_name
+from .timing import interleave
 
 BUCKET_LOOP = "per-param narrow.copy_ (kernel-level, DeepSpeed's copy pattern)"
 GATHER_LOOP = "per-param torch.cat (kernel-level, DeepSpeed's copy pattern)"
 BUCKET_SHAPES = [(2000, 4096), (200, 65536), (16, 1 << 20)]  # (tensors, elements each)
 GATHER_WORLD_SIZES = (2, 4)
-
-
-def _timer(device: str) -> Callable[[Callable[[], None]], float]:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def run(fn: Callable[[], None]) -> float:
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - start
-
-    return run
-
-
-def _interleave(methods: Dict[str, Callable[[], None]], device: str, repeats: int,
-                warmup: int = 2) -> Dict[str, List[float]]:
-    timed = _timer(device)
-    for _ in range(warmup):
-        for fn in methods.values():
-            fn()
-    samples: Dict[str, List[float]] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
-            samples[name].append(timed(fn))
-    return samples
 
 
 def bucket_fill_samples(n_tensors: int, numel: int, src_dtype: torch.dtype = torch.float32,
@@ -76,7 +50,7 @@ def bucket_fill_samples(n_tensors: int, numel: int, src_dtype: torch.dtype = tor
     }
     nbytes = n_tensors * numel * (flat_src.element_size() + buffer.element_size())
     return {"case": f"bucket fill {n_tensors} x {numel} {_name(src_dtype)}->{_name(dst_dtype)}",
-            "bytes": nbytes, "samples": _interleave(methods, device, repeats)}
+            "bytes": nbytes, "samples": interleave(methods, device, repeats)}
 
 
 def gather_copy_out_samples(n_params: int, numel: int, world_size: int,
@@ -110,7 +84,7 @@ def gather_copy_out_samples(n_params: int, numel: int, world_size: int,
     }
     nbytes = 2 * out.numel() * out.element_size()
     return {"case": f"gather copy-out {n_params} x {numel} world {world_size} {_name(dtype)}",
-            "bytes": nbytes, "samples": _interleave(methods, device, repeats)}
+            "bytes": nbytes, "samples": interleave(methods, device, repeats)}
 
 
 def _name(dtype: torch.dtype) -> str:
