@@ -261,6 +261,36 @@ def test_fused_wait_matches_stock_wait(groups, gather_dtype, op_calls):
     fused.uninstall()
 
 
+def test_fused_wait_reuses_a_released_buffer_and_overwrites_it(op_calls):
+    # On the CPU the second gather gets the first one's memory back (ops.gather_buffer's
+    # cache); every element must be rewritten: compared with the stock wait of new values.
+    if not ops.native_available():
+        pytest.skip("compiled extension unavailable")
+    engine, *_ = _pair()
+    fused = Zero3FusedCopies(engine)
+    world, numels = 2, [70000, 120001, 3]
+    addresses, hits_before = [], ops.cpu_buffer_cache_info()["hits"]
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        stock_params, wants, flat = _sharded_params(numels, world, torch.float32, 1)
+        params, _, _ = _sharded_params(numels, world, torch.float32, 1)
+        flat = flat * seed  # the second gather holds other values than the first
+        segment = flat.numel() // world
+        partitions = [flat.narrow(0, r * segment, segment) for r in range(world)]
+        stock = AllGatherCoalescedHandle(_Done(), stock_params, partitions, world)
+        stock.wait()
+        fused._wait(AllGatherCoalescedHandle(_Done(), params, partitions, world), True)
+        addresses.append(params[0].untyped_storage().data_ptr())
+        for got, want in zip(params, stock_params):
+            torch.testing.assert_close(got.data, want.data, atol=0, rtol=0)
+        for param in params:  # DeepSpeed's free_param
+            param.data = torch.empty(0)
+    assert ops.cpu_buffer_cache_info()["hits"] == hits_before + 1
+    assert addresses[0] == addresses[1], "the second gather did not reuse the released buffer"
+    assert op_calls["gather_copy_out"] == 2
+    fused.uninstall()
+
+
 # ---- two ranks: the real coalesced gathers ------------------------------------------------
 
 SPAWN_DEADLINE_S = 400  # only reached when something hangs; busy shared cores slow a passing run a lot
@@ -298,6 +328,8 @@ def test_two_ranks_fused_matches_ddp(two_rank_results, sc):
         # No extra memory: each buffer exactly its params' size, and gone once they are released.
         assert record["exact_size"], record
         assert record["live_buffers"] == 0, f"rank {rank}: {record['live_buffers']} gather buffers outlive their params"
+        if "buffer_cache_hits" in record:  # compiled ops: later gathers reuse released buffers' memory
+            assert record["buffer_cache_hits"] > 0, record
         assert record["non_empty_released"] == [] and record["leftover_handles"] == 0, record
         assert record["restored"]
 

@@ -154,6 +154,7 @@ def _run(sc, rank):
         fused.uninstall()
     spy = _OpSpy(ops)
     record = {}
+    cache_before = ops.cpu_buffer_cache_info() if ops.native_available() else None
     hooks = _watch_shared_storage(engine, spy, record)
     try:
         oracle_sc = dict(sc, zero_grad=False)
@@ -169,6 +170,8 @@ def _run(sc, rank):
     record.update(counts=fused.counts, bucket_fill_calls=spy.bucket_fills, gather_calls=len(spy.gathers),
                   exact_size=spy.exact_size, live_buffers=spy.live_buffers(),
                   leftover_handles=len(_handles_with_our_wait(engine)))
+    if cache_before is not None:  # gathers that got a released gather's memory back
+        record["buffer_cache_hits"] = ops.cpu_buffer_cache_info()["hits"] - cache_before["hits"]
     record["non_empty_released"] = [n for n, p in engine.module.named_parameters() if p.data.numel() != 0]
     want = {n: p.detach() for n, p in ddp_model.named_parameters()}
     weights = full_weights(engine)

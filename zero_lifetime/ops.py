@@ -117,6 +117,36 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
     impls[1](gathered, out, shard_numels, numels, world_size)
 
 
+def gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized 1-D buffer for one fused gather's params.
+
+    On the CPU, with the compiled ops, it comes from a cache of released gather buffers
+    (:func:`cpu_buffer_cache_info`): a fresh allocation of tens of MB faults in all its pages
+    on every gather. Elsewhere (a GPU has its caching allocator) ``torch.empty``."""
+    if device.type == "cpu":
+        module = _native.load() if not _native.force_python() else None
+        if module is not None and hasattr(module, "cpu_gather_buffer"):
+            return module.cpu_gather_buffer(int(numel), dtype)
+    return torch.empty(int(numel), dtype=dtype, device=device)
+
+
+def cpu_buffer_cache_info() -> Dict[str, int]:
+    """The CPU gather-buffer cache: ``cached_bytes`` and ``cached_blocks`` held now (released
+    buffers, not in use), ``limit_bytes``, and ``hits``/``misses`` of requests so far."""
+    return dict(_compiled_module("cpu_buffer_cache_info").cpu_buffer_cache_info())
+
+
+def set_cpu_buffer_cache_limit(nbytes: int) -> int:
+    """Bytes of released gather buffers the CPU cache may hold in this process (0: none, and
+    what it holds is freed now); returns the previous limit. The default is 256 MiB."""
+    return _compiled_module("set_cpu_buffer_cache_limit").set_cpu_buffer_cache_limit(int(nbytes))
+
+
+def empty_cpu_buffer_cache() -> None:
+    """Free every block the CPU gather-buffer cache holds (buffers in use are not touched)."""
+    _compiled_module("empty_cpu_buffer_cache").empty_cpu_buffer_cache()
+
+
 def streaming_store_threshold() -> int:
     """Destination bytes from which the compiled CPU ops write with non-temporal stores.
 

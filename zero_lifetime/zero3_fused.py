@@ -9,7 +9,8 @@
 * Coalesced all-gathers: stock ``AllGatherCoalescedHandle.wait`` builds each param with
   one ``torch.cat`` of its shards. Here one ``ops.gather_copy_out`` writes every param
   into ONE buffer per gather and each ``param.data`` becomes a view of it; the buffer's
-  storage goes when the last of its params is released (``free_param``). A handle this
+  storage goes when the last of its params is released (``free_param``); on the CPU it
+  goes back to ``ops``' gather-buffer cache for the next gather. A handle this
   path does not cover (quantized, persistent params, mixed dtypes, an unexpected layout)
   keeps the stock wait.
 
@@ -161,7 +162,7 @@ class Zero3FusedCopies:
         params = handle.params
         numels = [param.ds_numel for param in params]
         # Cast on the way (autocast gathers in its comm dtype; params keep ds_tensor's).
-        out = torch.empty(sum(numels), dtype=dtype, device=gathered.device)
+        out = self._ops.gather_buffer(sum(numels), dtype, gathered.device)
         self._ops.gather_copy_out(gathered, out, shard_numels, numels, handle.world_size)
         offset = 0
         for param, numel in zip(params, numels):

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include "ops/copy_plan.h"
+#include "ops/cpu_buffer_cache.h"
 #include "ops/fast_path.h"
 
 namespace py = pybind11;
@@ -135,6 +136,21 @@ void add_fast_path_bindings(py::module& m) {
         "Destination bytes from which CPU fused copies use non-temporal stores");
   m.def("set_streaming_store_threshold", &set_streaming_store_threshold, py::arg("nbytes"),
         "Set that threshold (0: always); returns the previous one");
+  m.def("cpu_gather_buffer", &cpu_gather_buffer, py::arg("numel"), py::arg("dtype"),
+        "An uninitialized 1-D CPU buffer whose memory returns to the cache when its storage dies");
+  m.def("cpu_buffer_cache_info", [] {
+    const CpuBufferCacheInfo info = cpu_buffer_cache_info();
+    py::dict d;
+    d["cached_bytes"] = info.cached_bytes;
+    d["cached_blocks"] = info.cached_blocks;
+    d["limit_bytes"] = info.limit_bytes;
+    d["hits"] = info.hits;
+    d["misses"] = info.misses;
+    return d;
+  }, "Bytes and blocks the CPU gather-buffer cache holds, its limit, hits and misses");
+  m.def("set_cpu_buffer_cache_limit", &set_cpu_buffer_cache_limit, py::arg("nbytes"),
+        "Bytes of released buffers the cache may hold (0: none); returns the previous limit");
+  m.def("empty_cpu_buffer_cache", &empty_cpu_buffer_cache, "Free every cached block");
   m.def("cuda_kernels_compiled", [] { return cuda_plan_runner() != nullptr; },
         "Whether this build holds the CUDA kernels the direct entries run");
 }
