@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -98,27 +97,12 @@ def _worker(args) -> None:
 
 
 def _launch(args) -> dict:
-    from zero_lifetime.single_rank import free_port, remove_shm_buffers
+    from zero_lifetime.bench.rank_launch import run_ranks
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        port = free_port()
-        procs = []
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--out", out,
-                                           "--width", str(args.width), "--layers", str(args.layers),
-                                           "--rounds", str(args.rounds),
-                                           "--reduce-bucket-size", str(args.reduce_bucket_size)], env=env))
-        try:
-            codes = [p.wait(timeout=1800) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            remove_shm_buffers(port)
-        if any(codes):
-            raise SystemExit(f"a rank failed: exit codes {codes}")
+        run_ranks([sys.executable, __file__, "--worker", "--out", out, "--width", str(args.width),
+                   "--layers", str(args.layers), "--rounds", str(args.rounds),
+                   "--reduce-bucket-size", str(args.reduce_bucket_size)], 2, "cpu", 1800, "cpu_gather_cache_step")
         with open(out) as f:
             return json.load(f)
 

@@ -123,10 +123,9 @@ def gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch
     On the CPU, with the compiled ops, it comes from a cache of released gather buffers
     (:func:`cpu_buffer_cache_info`): a fresh allocation of tens of MB faults in all its pages
     on every gather. Elsewhere (a GPU has its caching allocator) ``torch.empty``."""
-    if device.type == "cpu":
-        module = _native.load() if not _native.force_python() else None
-        if module is not None and hasattr(module, "cpu_gather_buffer"):
-            return module.cpu_gather_buffer(int(numel), dtype)
+    module = _compiled_module_or_none("cpu_gather_buffer") if device.type == "cpu" else None
+    if module is not None:
+        return module.cpu_gather_buffer(int(numel), dtype)
     return torch.empty(int(numel), dtype=dtype, device=device)
 
 
@@ -161,9 +160,15 @@ def set_streaming_store_threshold(nbytes: int) -> int:
     return _compiled_module("set_streaming_store_threshold").set_streaming_store_threshold(int(nbytes))
 
 
-def _compiled_module(what: str):
+def _compiled_module_or_none(what: str):
+    """The compiled module when it is loaded (not forced off) and has ``what``, else None."""
     module = _native.load() if not _native.force_python() else None
-    if module is None or not hasattr(module, what):
+    return module if module is not None and hasattr(module, what) else None
+
+
+def _compiled_module(what: str):
+    module = _compiled_module_or_none(what)
+    if module is None:
         raise RuntimeError(f"zero_lifetime.ops.{what}: the compiled CPU ops are not loaded "
                            f"({_native.status()['error'] or 'ZERO_LIFETIME_FORCE_PYTHON=1'})")
     return module

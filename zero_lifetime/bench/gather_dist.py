@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import List
 
 from . import sizes
+from .rank_launch import run_ranks
 from .report import Progress, Result
 
 STOCK = "stock all_gather_coalesced + per-param cat"
@@ -28,39 +28,14 @@ WORKER_TIMEOUT_S = 300
 
 
 def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress = None) -> List[Result]:
-    from ..single_rank import free_port, remove_shm_buffers
     shapes = sizes.shapes(quick)
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "spec.json")
         out = os.path.join(tmp, "rank0.json")
         with open(spec, "w") as f:
             json.dump({"device": device, "repeats": repeats, "shapes": shapes}, f)
-        port = free_port()
-        procs = []
-        for rank in range(ranks):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                       LOCAL_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                       DS_ACCELERATOR="cuda" if device == "cuda" else "cpu")
-            if device != "cuda":  # the ranks share the cores: one thread each, no oversubscription
-                env["OMP_NUM_THREADS"] = "1"
-            procs.append(subprocess.Popen([sys.executable, "-m", "zero_lifetime.bench.gather_dist", "--worker",
-                                           spec, out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        logs = []
-        try:
-            for proc in procs:
-                logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-            for proc in procs:
-                proc.wait()
-            remove_shm_buffers(port)  # every rank is gone: DeepSpeed leaves its buffers behind
-        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            tail = "\n".join(logs[failed[0][0]].splitlines()[-15:]) if len(logs) > failed[0][0] else ""
-            raise RuntimeError(f"gather over {ranks} ranks: rank(s) {failed} failed:\n{tail}")
+        run_ranks([sys.executable, "-m", "zero_lifetime.bench.gather_dist", "--worker", spec, out], ranks, device,
+                  WORKER_TIMEOUT_S, "gather")
         with open(out) as f:
             results = json.load(f)
     if progress:
