@@ -12,8 +12,13 @@ Per config, rank 0 prints the median step time and the median peak resident memo
 process during a step (VmHWM, reset through /proc/self/clear_refs before each step): for the
 warm step that includes the blocks the cache held.
 
+With ``--trace``, rank 0 also prints one line per installed gather of the warm steps: the
+buffer size, whether the cache served it, and resident memory at the start of the fused wait
+and when the output buffer is requested, with the peak in between (DeepSpeed's all-gather).
+The peak is reset at every wait, so the step peaks printed then include only the last gather.
+
     python benchmarks/cpu_gather_cache_step.py [--width 1024] [--layers 4] [--rounds 8]
-                                               [--reduce-bucket-size ELEMENTS]
+                                               [--reduce-bucket-size ELEMENTS] [--trace]
 """
 
 import argparse
@@ -32,12 +37,47 @@ def _peak_rss_reset() -> None:
         f.write("5")  # resets VmHWM to the current resident size
 
 
-def _peak_rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_rss_bytes() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _trace_gathers(ops, enabled, lines) -> None:
+    """Append to ``lines`` resident memory around each fused wait while ``enabled()``."""
+    from zero_lifetime.zero3_fused import Zero3FusedCopies
+
+    wait, gather_buffer = Zero3FusedCopies._wait, ops.gather_buffer
+    at_wait_start = []
+
+    def traced_wait(self, handle, handle_dependency):
+        if enabled():
+            _peak_rss_reset()
+            at_wait_start.append(_status_bytes("VmRSS"))
+        return wait(self, handle, handle_dependency)
+
+    def traced_gather_buffer(numel, dtype, device):
+        if not (enabled() and at_wait_start):
+            return gather_buffer(numel, dtype, device)
+        peak, rss = _peak_rss_bytes(), _status_bytes("VmRSS")
+        hits = ops.cpu_buffer_cache_info()["hits"]
+        out = gather_buffer(numel, dtype, device)
+        served = "hit " if ops.cpu_buffer_cache_info()["hits"] > hits else "miss"
+        mib = 2**20
+        start = at_wait_start.pop()
+        lines.append(f"buffer {out.numel() * out.element_size() / mib:6.1f} MiB {served}  RSS at wait start "
+                     f"{start / mib:6.0f} MiB, at buffer request {rss / mib:6.0f} MiB, peak in between "
+                     f"{peak / mib:6.0f} MiB ({(peak - start) / mib:+.0f})")
+        return out
+
+    Zero3FusedCopies._wait = traced_wait
+    ops.gather_buffer = traced_gather_buffer
 
 
 def _worker(args) -> None:
@@ -59,6 +99,9 @@ def _worker(args) -> None:
     default_limit = ops.set_cpu_buffer_cache_limit(0)
     rank = dist.get_rank()
     x = torch.randn(8, w, generator=torch.Generator().manual_seed(rank))
+    tracing, trace_lines = [], []  # tracing: non-empty during a traced step
+    if args.trace and rank == 0:
+        _trace_gathers(ops, lambda: bool(tracing), trace_lines)
 
     def step(engine):
         loss = engine(x).square().mean()
@@ -81,14 +124,18 @@ def _worker(args) -> None:
             ops.set_cpu_buffer_cache_limit(limit)
             dist.barrier()
             _peak_rss_reset()
+            if args.trace and rank == 0 and name == CONFIGS[3]:
+                tracing.append(name)
+                trace_lines.append(f"{name} step")
             start = time.perf_counter()
             step(engine)
+            tracing.clear()
             times[name].append(time.perf_counter() - start)
             peaks[name].append(_peak_rss_bytes())
     ops.set_cpu_buffer_cache_limit(default_limit)
     stats = zero_lifetime.stats(installed)
     result = {"times": times, "peaks": peaks, "cache_hits": ops.cpu_buffer_cache_info()["hits"] - hits_before,
-              "fused_gathers": stats["fused_gathers"], "stock_gathers": stats["stock_gathers"]}
+              "fused_gathers": stats["fused_gathers"], "stock_gathers": stats["stock_gathers"], "trace": trace_lines}
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -102,7 +149,8 @@ def _launch(args) -> dict:
         out = os.path.join(tmp, "rank0.json")
         run_ranks([sys.executable, __file__, "--worker", "--out", out, "--width", str(args.width),
                    "--layers", str(args.layers), "--rounds", str(args.rounds),
-                   "--reduce-bucket-size", str(args.reduce_bucket_size)], 2, "cpu", 1800, "cpu_gather_cache_step")
+                   "--reduce-bucket-size", str(args.reduce_bucket_size)] + (["--trace"] if args.trace else []),
+                  2, "cpu", 1800, "cpu_gather_cache_step")
         with open(out) as f:
             return json.load(f)
 
@@ -114,6 +162,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--reduce-bucket-size", type=int, default=0,
                         help="ZeRO-3 reduce_bucket_size in elements (default: DeepSpeed's)")
+    parser.add_argument("--trace", action="store_true",
+                        help="rank 0 prints resident memory around every gather of the warm steps")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -134,6 +184,8 @@ def main() -> None:
         peak = statistics.median(result["peaks"][name])
         print(f"{name:<24}{t * 1e3:>11.1f} ms{t / stock_time:>9.2f}x{peak / 2**20:>16.0f} MiB"
               f"{(peak - stock_peak) / 2**20:>+8.0f} MiB")
+    for line in result["trace"]:
+        print(f"trace: {line}")
     print(f"rank 0: {result['fused_gathers']} fused gathers, {result['stock_gathers']} stock waits, "
           f"{result['cache_hits']} gathers served from the cache")
 
