@@ -1,6 +1,10 @@
 """Where the CPU fused bucket fill loses to one contiguous copy with thousands of small grads.
 
     python benchmarks/fill_host_cost.py [--tensors 8192] [--numel 1024] [--rounds 15]
+                                        [--dtype float32|bfloat16|float16]
+
+The buffer is float32; ``--dtype`` is the grads' dtype (bfloat16: the cast fill of bf16
+grads into an fp32 bucket, and a bf16 -> fp32 ``copy_`` as its roofline).
 
 Side by side in one process, methods interleaved round by round (medians of per-round
 medians of 10 calls), each as time / the roofline ``buffer.copy_(flat)`` of the same bytes:
@@ -27,15 +31,17 @@ def main():
     parser.add_argument("--tensors", type=int, default=8192)
     parser.add_argument("--numel", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args()
-    n, numel = args.tensors, args.numel
+    n, numel, dtype = args.tensors, args.numel, getattr(torch, args.dtype)
     if not ops.native_available():
         raise SystemExit("fill_host_cost: the compiled extension is not available (python -m zero_lifetime.env_report)")
 
-    scattered = [torch.randn(numel) for _ in range(n)]
-    flat = torch.randn(n * numel)
+    # Allocated as bench.kernels does (fp32 randn, then cast).
+    scattered = [torch.randn(numel).to(dtype) for _ in range(n)]
+    flat = torch.randn(n * numel).to(dtype)
     views = list(flat.split(numel))
-    single_elements = [torch.randn(1) for _ in range(n)]
+    single_elements = [torch.randn(1).to(dtype) for _ in range(n)]
     offsets = [i * numel for i in range(n)]
     buffer = torch.empty(n * numel)
     tuple_sources, tuple_offsets = tuple(scattered), tuple(offsets)
@@ -49,7 +55,7 @@ def main():
     samples = interleave(methods, "cpu", args.rounds, warmup=1, calls_per_round=10)
     medians = {name: statistics.median(s) for name, s in samples.items()}
     roofline = medians["roofline copy_"]
-    print(f"{n} x {numel} fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{n} x {numel} {args.dtype} -> float32, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name, seconds in medians.items():
         print(f"{name:<32}{seconds * 1e3:>8.2f} ms{seconds / roofline:>7.2f}x roofline"
               f"{seconds / n * 1e9:>8.0f} ns per tensor")

@@ -110,6 +110,33 @@ def test_direct_entries_apply_only_to_plain_tensors(device):
         fill(buffer, [ones, twos], [0, 1], 1.0)
 
 
+def test_direct_entry_reads_thousands_of_sources_on_several_threads():
+    """The direct entry reads its sources on the intra-op threads from 1024 up: one source it
+    must decline, wherever it sits, declines the whole call before anything is written."""
+    fill = _native.load().bucket_fill_fast
+    n = 3000
+    sources = [torch.full((2,), float(i)) for i in range(n)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for order in ("ascending", "shuffled"):
+            slots = list(range(n))
+            if order == "shuffled":
+                random.Random(1).shuffle(slots)
+            offsets = [2 * slot for slot in slots]
+            for position in (0, n // 2, n - 1):
+                declined = list(sources)
+                declined[position] = torch.ones(2, requires_grad=True)
+                buffer = torch.zeros(2 * n)
+                assert fill(buffer, declined, offsets, 1.0) is False
+                assert not buffer.any()
+            buffer = torch.zeros(2 * n)
+            assert fill(buffer, sources, offsets, 1.0) is True
+            assert_same(buffer, expected_bucket(sources, offsets, 2 * n, torch.float32, 1.0))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def expected_bucket(tensors, offsets, numel, dtype, scale):
     """Plain torch: zeros in the gaps, cat of the scaled flattened tensors in offset order."""
     pieces, position = [], 0

@@ -56,10 +56,20 @@ std::pair<uintptr_t, uintptr_t> byte_span(const SourceInfo& s) {
   return {start, start + static_cast<uintptr_t>(s.numel) * c10::elementSize(s.dtype)};
 }
 
-bool aliases_own_slice(const at::Tensor& buffer, const SourceInfo& s, int64_t offset) {
-  return s.dtype == buffer.scalar_type() && s.contiguous &&
-         s.data ==
-             static_cast<const char*>(buffer.const_data_ptr()) + offset * buffer.element_size();
+// What the per-source aliasing test reads of the buffer, read once: const_data_ptr() checks
+// the storage on every call, which was a visible cost per source with thousands of grads.
+struct BufferMemory {
+  explicit BufferMemory(const at::Tensor& buffer)
+      : data(static_cast<const char*>(buffer.const_data_ptr())),
+        dtype(buffer.scalar_type()),
+        itemsize(static_cast<int64_t>(buffer.element_size())) {}
+  const char* data;
+  c10::ScalarType dtype;
+  int64_t itemsize;
+};
+
+bool aliases_own_slice(const BufferMemory& buffer, const SourceInfo& s, int64_t offset) {
+  return s.dtype == buffer.dtype && s.contiguous && s.data == buffer.data + offset * buffer.itemsize;
 }
 
 }  // namespace
@@ -88,6 +98,23 @@ std::vector<SourceInfo> describe_sources(at::TensorList tensors, bool with_memor
   return sources;
 }
 
+namespace {
+
+using DestinationRanges = std::vector<std::tuple<int64_t, int64_t, size_t>>;
+
+// (begin, end, index) of the non-empty destination ranges, sorted.
+DestinationRanges sorted_destination_ranges(Sources sources, c10::IntArrayRef offsets) {
+  DestinationRanges ranges;
+  ranges.reserve(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (sources[i].numel > 0) ranges.emplace_back(offsets[i], offsets[i] + sources[i].numel, i);
+  }
+  if (!std::is_sorted(ranges.begin(), ranges.end())) std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
+}  // namespace
+
 void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayRef offsets,
                        bool check_memory) {
   constexpr const char* op = "bucket_fill";
@@ -96,10 +123,11 @@ void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayR
   TORCH_CHECK(sources.size() == offsets.size(), op, ": got ", sources.size(),
               " tensors but ", offsets.size(), " offsets");
   const int64_t buffer_numel = numel_of(buffer);
-  // (begin, end, index) of the non-empty destination ranges, sorted for the overlap check.
-  std::vector<std::tuple<int64_t, int64_t, size_t>> ranges;
-  ranges.reserve(sources.size());
   const c10::Device device = buffer.device();
+  // DeepSpeed hands the ranges over in ascending order, which already proves them disjoint:
+  // the sorted list of ranges is only built when they are not (or for the memory check).
+  bool ascending_and_disjoint = true;
+  int64_t previous_end = 0;
   for (size_t i = 0; i < sources.size(); ++i) {
     const SourceInfo& s = sources[i];
     TORCH_CHECK(s.device == device, op, ": tensors[", i, "] is on ", s.device,
@@ -112,17 +140,22 @@ void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayR
     TORCH_CHECK(offset <= buffer_numel - n, op, ": tensors[", i, "] (", n,
                 " elements at offset ", offset, ") is out of bounds of the buffer (",
                 buffer_numel, " elements)");
-    if (n > 0) ranges.emplace_back(offset, offset + n, i);
+    if (n > 0) {
+      ascending_and_disjoint = ascending_and_disjoint && offset >= previous_end;
+      previous_end = offset + n;
+    }
   }
-  // DeepSpeed hands the ranges over in ascending order: sort only when they are not.
-  if (!std::is_sorted(ranges.begin(), ranges.end())) std::sort(ranges.begin(), ranges.end());
-  for (size_t k = 1; k < ranges.size(); ++k) {
-    const auto& [a0, a1, i] = ranges[k - 1];
-    const auto& [b0, b1, j] = ranges[k];
-    TORCH_CHECK(b0 >= a1, op, ": destination ranges overlap: tensors[", i, "] [", a0, ", ",
-                a1, ") and tensors[", j, "] [", b0, ", ", b1, ")");
+  DestinationRanges ranges;
+  if (!ascending_and_disjoint) {
+    ranges = sorted_destination_ranges(sources, offsets);
+    for (size_t k = 1; k < ranges.size(); ++k) {
+      const auto& [a0, a1, i] = ranges[k - 1];
+      const auto& [b0, b1, j] = ranges[k];
+      TORCH_CHECK(b0 >= a1, op, ": destination ranges overlap: tensors[", i, "] [", a0, ", ",
+                  a1, ") and tensors[", j, "] [", b0, ", ", b1, ")");
+    }
   }
-  if (!check_memory || ranges.empty()) return;
+  if (!check_memory) return;
 
   // A source may share memory with the buffer only as exactly its own destination slice
   // (DeepSpeed may already have re-pointed a grad there); any other overlap with a
@@ -130,10 +163,12 @@ void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayR
   const auto base = reinterpret_cast<uintptr_t>(buffer.const_data_ptr());
   const auto itemsize = static_cast<uintptr_t>(buffer.element_size());
   const uintptr_t buffer_end = base + static_cast<uintptr_t>(buffer_numel) * itemsize;
+  const BufferMemory memory(buffer);
   for (size_t i = 0; i < sources.size(); ++i) {
     const auto [lo, hi] = byte_span(sources[i]);
     if (lo == hi || hi <= base || lo >= buffer_end) continue;
-    if (aliases_own_slice(buffer, sources[i], offsets[i])) continue;
+    if (aliases_own_slice(memory, sources[i], offsets[i])) continue;
+    if (ranges.empty()) ranges = sorted_destination_ranges(sources, offsets);
     // First destination range ending after `lo`; it overlaps if it also starts before `hi`.
     const int64_t first_elem = static_cast<int64_t>((std::max(lo, base) - base) / itemsize);
     auto it = std::upper_bound(ranges.begin(), ranges.end(), first_elem,
@@ -191,10 +226,11 @@ CopyPlan plan_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArr
   plan.dst_dtype = buffer.scalar_type();
   plan.scale = static_cast<float>(scale);
   plan.segments.reserve(sources.size());
+  const BufferMemory memory(buffer);
   for (size_t i = 0; i < sources.size(); ++i) {
     const SourceInfo& s = sources[i];
     if (s.numel == 0) continue;
-    if (aliases_own_slice(buffer, s, offsets[i])) {
+    if (aliases_own_slice(memory, s, offsets[i])) {
       if (plan.scale == 1.0f) continue;  // already in place
       // else: an element-wise in-place scale, each element read before it is written
     }

@@ -33,12 +33,12 @@ struct CopyPlan {
 // tensors: a bucket of thousands of small grads costs cache misses per tensor for every
 // pass over their TensorImpls, as much as copying their bytes (8192 x 4 KB on CPU).
 struct SourceInfo {
-  const at::Tensor* tensor;  // borrowed: strided sources (made contiguous), error messages
-  const void* data;          // nullptr without memory (meta and fake tensors)
-  int64_t numel;
-  c10::Device device;
-  c10::ScalarType dtype;
-  bool contiguous;           // false without memory: not asked of symbolic shapes
+  const at::Tensor* tensor = nullptr;  // borrowed: strided sources (made contiguous), errors
+  const void* data = nullptr;          // nullptr without memory (meta and fake tensors)
+  int64_t numel = 0;
+  c10::Device device{c10::kCPU};
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool contiguous = false;             // false without memory: not asked of symbolic shapes
 };
 using Sources = c10::ArrayRef<SourceInfo>;
 

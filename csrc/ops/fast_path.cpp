@@ -9,6 +9,7 @@
 // same checks, plan and kernels. They answer False (nothing done) whenever the dispatcher
 // is needed: tensor subclasses (fake tensors, wrappers), autograd, an active dispatch or
 // torch-function mode, a device without a kernel here.
+#include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
@@ -19,6 +20,8 @@
 #include "ops/copy_plan.h"
 #include "ops/cpu_buffer_cache.h"
 #include "ops/fast_path.h"
+
+#include <atomic>
 
 namespace py = pybind11;
 
@@ -42,6 +45,29 @@ const at::Tensor* plain_tensor(PyObject* obj) {
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.requires_grad() || !device_supported(t.device())) return nullptr;
   return &t;
+}
+
+// Reading thousands of tensors behind their PyObjects is a chain of cache misses per tensor
+// (object, TensorImpl, StorageImpl), not computation, so it is split over the intra-op
+// threads. The workers read the objects without the GIL: this thread holds it while it
+// waits, so no Python code runs meanwhile, and `owners` keeps every object alive.
+constexpr int64_t kDescribeGrain = 1024;
+
+bool describe_plain_sources(const py::tuple& owners, std::vector<SourceInfo>& sources) {
+  const auto n = static_cast<int64_t>(owners.size());
+  sources.resize(static_cast<size_t>(n));
+  std::atomic<bool> all_plain{true};
+  at::parallel_for(0, n, kDescribeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const at::Tensor* t = plain_tensor(PyTuple_GET_ITEM(owners.ptr(), i));
+      if (t == nullptr) {
+        all_plain.store(false, std::memory_order_relaxed);
+        return;
+      }
+      sources[i] = describe_source(*t, /*with_memory=*/true);
+    }
+  });
+  return all_plain.load(std::memory_order_relaxed);
 }
 
 std::vector<int64_t> int_values(py::handle sequence, const char* what) {
@@ -84,12 +110,7 @@ bool bucket_fill_fast(py::handle buffer_obj, py::handle tensors, py::handle offs
   // Everything the checks and the plan need is read here, in the one pass that already
   // touches each TensorImpl (see SourceInfo).
   std::vector<SourceInfo> sources;
-  sources.reserve(owners.size());
-  for (size_t i = 0; i < owners.size(); ++i) {
-    const at::Tensor* t = plain_tensor(PyTuple_GET_ITEM(owners.ptr(), i));
-    if (t == nullptr) return false;
-    sources.push_back(describe_source(*t, /*with_memory=*/true));
-  }
+  if (!describe_plain_sources(owners, sources)) return false;
   const std::vector<int64_t> offset_values = int_values(offsets, "offsets must be a sequence");
   {
     py::gil_scoped_release no_gil;
