@@ -22,6 +22,7 @@
 #include "ops/fast_path.h"
 
 #include <atomic>
+#include <limits>
 
 namespace py = pybind11;
 
@@ -50,8 +51,13 @@ const at::Tensor* plain_tensor(PyObject* obj) {
 // Reading thousands of tensors behind their PyObjects is a chain of cache misses per tensor
 // (object, TensorImpl, StorageImpl), not computation, so it is split over the intra-op
 // threads. The workers read the objects without the GIL: this thread holds it while it
-// waits, so no Python code runs meanwhile, and `owners` keeps every object alive.
+// waits, so no Python code runs meanwhile, and `owners` keeps every object alive. Without
+// a GIL (free-threaded CPython) that argument does not hold: one thread reads them there.
+#ifdef Py_GIL_DISABLED
+constexpr int64_t kDescribeGrain = std::numeric_limits<int64_t>::max();
+#else
 constexpr int64_t kDescribeGrain = 1024;
+#endif
 
 bool describe_plain_sources(const py::tuple& owners, std::vector<SourceInfo>& sources) {
   const auto n = static_cast<int64_t>(owners.size());
