@@ -291,6 +291,29 @@ def test_bucket_fill_errors(impl, match, make):
     assert torch.equal(buffer, before)  # checked before anything is written
 
 
+@pytest.mark.parametrize("make", [
+    lambda: (torch.zeros(8), [torch.ones(2), torch.ones(2).to_sparse()], [0, 2]),
+    lambda: (torch.zeros(8).to_sparse(), [torch.ones(2)], [0]),
+], ids=["sparse source", "sparse buffer"])
+def test_bucket_fill_refuses_sparse_tensors_by_name(impl, make):
+    """Not the generic 'no data pointer' error: which tensor, and that it must be dense. Through
+    the dispatcher, torch refuses the sparse backend before our kernel runs."""
+    bucket_fill, _ = impl
+    buffer, tensors, offsets = make()
+    with pytest.raises(RuntimeError, match=r"(tensors\[1\] has layout Sparse|buffer must be a dense \(strided\) "
+                                           r"tensor, got layout Sparse)|'SparseCPU' backend"):
+        bucket_fill(buffer, tensors, offsets)
+    if buffer.layout == torch.strided:
+        assert not buffer.any()
+
+
+def test_gather_copy_out_refuses_a_sparse_input_by_name(impl):
+    _, gather_copy_out = impl
+    with pytest.raises(RuntimeError, match=r"gathered must be a dense \(strided\) tensor, got layout Sparse"
+                                           r"|'SparseCPU' backend"):
+        gather_copy_out(torch.zeros(4).to_sparse(), torch.zeros(4), [2], [4], 2)
+
+
 def test_bucket_fill_empty_ranges_may_touch():
     bucket_fill, _ = _native_ops("cpu")
     buffer = torch.zeros(4)

@@ -20,9 +20,17 @@ def _fail(message: str) -> None:
 
 
 def _check_flat(op: str, name: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        _fail(f"{op}: {name} must be a dense (strided) tensor, got layout {_layout_name(t)}")
     if t.dim() != 1 or not t.is_contiguous():
         _fail(f"{op}: {name} must be a 1-D contiguous tensor, got sizes {list(t.shape)} "
               f"strides {list(t.stride())}")
+
+
+def _layout_name(t: torch.Tensor) -> str:
+    """The layout as c10 prints it in the compiled ops' messages (torch.sparse_coo -> Sparse)."""
+    return {torch.sparse_coo: "Sparse", torch.sparse_csr: "SparseCsr", torch.sparse_csc: "SparseCsc",
+            torch.sparse_bsr: "SparseBsr", torch.sparse_bsc: "SparseBsc"}.get(t.layout, str(t.layout))
 
 
 def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:
@@ -52,6 +60,8 @@ def check_bucket_fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
         if t.device != buffer.device:
             _fail(f"{op}: tensors[{i}] is on {t.device} but buffer is on {buffer.device}")
         _check_dtype(op, f"tensors[{i}]", t)
+        if t.layout != torch.strided:
+            _fail(f"{op}: tensors[{i}] has layout {_layout_name(t)}; expected a dense (strided) tensor")
         if off < 0:
             _fail(f"{op}: offsets[{i}] is negative ({off})")
         n = t.numel()

@@ -23,6 +23,8 @@ int64_t numel_of(const at::Tensor& t) {
 }
 
 void check_flat(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name,
+              " must be a dense (strided) tensor, got layout ", t.layout());
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), op, ": ", name,
               " must be a 1-D contiguous tensor, got sizes ", t.sym_sizes(), " strides ",
               t.sym_strides());
@@ -83,8 +85,8 @@ void set_cuda_plan_runner(CudaPlanRunner runner) { registered_cuda_runner.store(
 CudaPlanRunner cuda_plan_runner() { return registered_cuda_runner.load(std::memory_order_acquire); }
 
 SourceInfo describe_source(const at::Tensor& t, bool with_memory) {
-  SourceInfo s{&t, nullptr, numel_of(t), t.device(), t.scalar_type(), false};
-  if (with_memory) {
+  SourceInfo s{&t, nullptr, numel_of(t), t.device(), t.scalar_type(), t.layout(), false};
+  if (with_memory && s.layout == c10::kStrided) {  // sparse tensors have no data pointer
     s.contiguous = t.is_contiguous();
     s.data = t.const_data_ptr();
   }
@@ -133,6 +135,8 @@ void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayR
     TORCH_CHECK(s.device == device, op, ": tensors[", i, "] is on ", s.device,
                 " but buffer is on ", device);
     check_element_dtype(op, i, s.dtype);
+    TORCH_CHECK(s.layout == c10::kStrided, op, ": tensors[", i, "] has layout ", s.layout,
+                "; expected a dense (strided) tensor");
     const int64_t offset = offsets[i];
     TORCH_CHECK(offset >= 0, op, ": offsets[", i, "] is negative (", offset, ")");
     const int64_t n = s.numel;

@@ -38,6 +38,7 @@ struct SourceInfo {
   int64_t numel = 0;
   c10::Device device{c10::kCPU};
   c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Layout layout = c10::kStrided;  // anything else is refused (no memory read for it)
   bool contiguous = false;             // false without memory: not asked of symbolic shapes
 };
 using Sources = c10::ArrayRef<SourceInfo>;
