@@ -164,10 +164,10 @@ void check_bucket_fill(const at::Tensor& buffer, Sources sources, c10::IntArrayR
   // A source may share memory with the buffer only as exactly its own destination slice
   // (DeepSpeed may already have re-pointed a grad there); any other overlap with a
   // destination range would be read after (or while) it is overwritten.
-  const auto base = reinterpret_cast<uintptr_t>(buffer.const_data_ptr());
-  const auto itemsize = static_cast<uintptr_t>(buffer.element_size());
-  const uintptr_t buffer_end = base + static_cast<uintptr_t>(buffer_numel) * itemsize;
   const BufferMemory memory(buffer);
+  const auto base = reinterpret_cast<uintptr_t>(memory.data);
+  const auto itemsize = static_cast<uintptr_t>(memory.itemsize);
+  const uintptr_t buffer_end = base + static_cast<uintptr_t>(buffer_numel) * itemsize;
   for (size_t i = 0; i < sources.size(); ++i) {
     const auto [lo, hi] = byte_span(sources[i]);
     if (lo == hi || hi <= base || lo >= buffer_end) continue;
