@@ -99,8 +99,9 @@ def _worker(args) -> None:
     default_limit = ops.set_cpu_buffer_cache_limit(0)
     rank = dist.get_rank()
     x = torch.randn(8, w, generator=torch.Generator().manual_seed(rank))
+    traced = args.trace and rank == 0
     tracing, trace_lines = [], []  # tracing: non-empty during a traced step
-    if args.trace and rank == 0:
+    if traced:
         _trace_gathers(ops, lambda: bool(tracing), trace_lines)
 
     def step(engine):
@@ -124,7 +125,7 @@ def _worker(args) -> None:
             ops.set_cpu_buffer_cache_limit(limit)
             dist.barrier()
             _peak_rss_reset()
-            if args.trace and rank == 0 and name == CONFIGS[3]:
+            if traced and name == CONFIGS[3]:
                 tracing.append(name)
                 trace_lines.append(f"{name} step")
             start = time.perf_counter()
