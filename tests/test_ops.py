@@ -291,27 +291,35 @@ def test_bucket_fill_errors(impl, match, make):
     assert torch.equal(buffer, before)  # checked before anything is written
 
 
+# Non-strided layouts this torch can build on the CPU: (name in c10's messages, backend, convert).
+OTHER_LAYOUTS = [("Sparse", "SparseCPU", torch.Tensor.to_sparse)]
+if torch.backends.mkldnn.is_available():
+    OTHER_LAYOUTS.append(("Mkldnn", "MkldnnCPU", torch.Tensor.to_mkldnn))
+
+
+@pytest.mark.parametrize("layout,backend,convert", OTHER_LAYOUTS, ids=[name for name, *_ in OTHER_LAYOUTS])
 @pytest.mark.parametrize("make", [
-    lambda: (torch.zeros(8), [torch.ones(2), torch.ones(2).to_sparse()], [0, 2]),
-    lambda: (torch.zeros(8).to_sparse(), [torch.ones(2)], [0]),
-], ids=["sparse source", "sparse buffer"])
-def test_bucket_fill_refuses_sparse_tensors_by_name(impl, make):
-    """Not the generic 'no data pointer' error: which tensor, and that it must be dense. Through
-    the dispatcher, torch refuses the sparse backend before our kernel runs."""
+    lambda convert: (torch.zeros(8), [torch.ones(2), convert(torch.ones(2))], [0, 2]),
+    lambda convert: (convert(torch.zeros(8)), [torch.ones(2)], [0]),
+], ids=["source", "buffer"])
+def test_bucket_fill_refuses_non_strided_tensors_by_name(impl, make, layout, backend, convert):
+    """Not the generic 'no data pointer' error: which tensor, its layout as c10 names it, and that
+    it must be dense. Through the dispatcher, torch may refuse the backend before our kernel runs."""
     bucket_fill, _ = impl
-    buffer, tensors, offsets = make()
-    with pytest.raises(RuntimeError, match=r"(tensors\[1\] has layout Sparse|buffer must be a dense \(strided\) "
-                                           r"tensor, got layout Sparse)|'SparseCPU' backend"):
+    buffer, tensors, offsets = make(convert)
+    with pytest.raises(RuntimeError, match=rf"(tensors\[1\] has layout {layout};|buffer must be a dense \(strided\) "
+                                           rf"tensor, got layout {layout}$)|'{backend}' backend"):
         bucket_fill(buffer, tensors, offsets)
     if buffer.layout == torch.strided:
         assert not buffer.any()
 
 
-def test_gather_copy_out_refuses_a_sparse_input_by_name(impl):
+@pytest.mark.parametrize("layout,backend,convert", OTHER_LAYOUTS, ids=[name for name, *_ in OTHER_LAYOUTS])
+def test_gather_copy_out_refuses_a_non_strided_input_by_name(impl, layout, backend, convert):
     _, gather_copy_out = impl
-    with pytest.raises(RuntimeError, match=r"gathered must be a dense \(strided\) tensor, got layout Sparse"
-                                           r"|'SparseCPU' backend"):
-        gather_copy_out(torch.zeros(4).to_sparse(), torch.zeros(4), [2], [4], 2)
+    with pytest.raises(RuntimeError, match=rf"gathered must be a dense \(strided\) tensor, got layout {layout}$"
+                                           rf"|'{backend}' backend"):
+        gather_copy_out(convert(torch.zeros(4)), torch.zeros(4), [2], [4], 2)
 
 
 def test_bucket_fill_empty_ranges_may_touch():

@@ -30,7 +30,8 @@ def _check_flat(op: str, name: str, t: torch.Tensor) -> None:
 def _layout_name(t: torch.Tensor) -> str:
     """The layout as c10 prints it in the compiled ops' messages (torch.sparse_coo -> Sparse)."""
     return {torch.sparse_coo: "Sparse", torch.sparse_csr: "SparseCsr", torch.sparse_csc: "SparseCsc",
-            torch.sparse_bsr: "SparseBsr", torch.sparse_bsc: "SparseBsc"}.get(t.layout, str(t.layout))
+            torch.sparse_bsr: "SparseBsr", torch.sparse_bsc: "SparseBsc", torch._mkldnn: "Mkldnn",
+            torch.jagged: "Jagged"}.get(t.layout, str(t.layout))
 
 
 def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:
