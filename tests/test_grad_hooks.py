@@ -4,7 +4,6 @@ this torch, params unfrozen after initialize, and hooks that stop firing."""
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.utils.torch as ds_torch_utils
 import multitask as mt
 import zero_lifetime

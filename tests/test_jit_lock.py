@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from zero_lifetime import _native
 from zero_lifetime._native import StaleBuildLockError, wait_for_build_lock
 
 

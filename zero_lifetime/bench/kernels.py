@@ -116,7 +116,7 @@ def run_all(device: str = "cpu", repeats: int = 15, quick: bool = False) -> List
 
 
 def print_table(results: Sequence[Dict[str, object]]) -> None:
-    print(f"| case | method | median | GB/s | time / roofline |\n|---|---|---:|---:|---:|")
+    print("| case | method | median | GB/s | time / roofline |\n|---|---|---:|---:|---:|")
     for result in results:
         for row in summarize(result):
             print(f"| {row['case']} | {row['method']} | {row['median_ms']:.3f} ms | "

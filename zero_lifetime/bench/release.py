@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import List
 
-from . import sizes
 from .report import Progress, Result
 
 STOCK = "stock coordinator.release_sub_module"

@@ -75,12 +75,9 @@ def retained_step(engine, tokens):
 
 
 def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> List[Result]:
-    from .engines import TinyTransformer, make_engine, prepare_process, quiet_deepspeed
+    from .engines import prepare_process, quiet_deepspeed
     prepare_process(device)
     import torch
-
-    import zero_lifetime
-    from .timing import interleave
 
     quiet_deepspeed()
     shape = QUICK_MODEL if quick else FULL_MODEL
