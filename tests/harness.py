@@ -96,12 +96,15 @@ def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, gas: int = 1, *
     }
 
 
-def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, gas: int = 1, **zero):
-    """A DeepSpeed engine and an identical plain-torch model with its SGD optimizer."""
+def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, gas: int = 1,
+              config: dict = None, **zero):
+    """A DeepSpeed engine and an identical plain-torch model with its SGD optimizer.
+
+    ``config``: top-level DeepSpeed settings over ds_config's; ``zero``: zero_optimization's."""
     torch.manual_seed(seed)
     model = MODELS[model_name]()
     reference = copy.deepcopy(model)
-    cfg = ds_config(stage, persistence, gas=gas, **zero)
+    cfg = {**ds_config(stage, persistence, gas=gas, **zero), **(config or {})}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg["optimizer"]["params"]["lr"])
     return engine, reference, ref_opt

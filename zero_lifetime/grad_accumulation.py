@@ -10,6 +10,7 @@ reduction is linear, so the sum of reduced partitions is the reduced sum.
 
 from .adapters.errors import require
 from .adapters.zero12_epilogue import Zero12EpilogueRule
+from .adapters.zero12_offload_carry import Zero12OffloadCarry
 
 
 class Zero12Accumulation:
@@ -21,6 +22,7 @@ class Zero12Accumulation:
         self._original_epilogue = require(optimizer, "independent_gradient_partition_epilogue",
                                           "the ZeRO-1/2 gradient epilogue")
         self.cpu_offload = bool(getattr(optimizer, "cpu_offload", False))
+        self.offload_carry = Zero12OffloadCarry(optimizer) if self.cpu_offload else None
         self.rule = Zero12EpilogueRule(optimizer)  # 0.17.6: sums micro-steps the 0.18 way
         self.grads_pending = False  # a backward's reduced grads wait for step()
         self._carry = None  # partitions of earlier backwards, added back after the epilogue
@@ -30,11 +32,9 @@ class Zero12Accumulation:
         if not self.grads_pending:
             self._carry = None
             return
-        if self.cpu_offload:
-            raise NotImplementedError(
-                "zero_lifetime: a second backward without zero_grad() before step() is not supported "
-                "with ZeRO-1/2 CPU optimizer offload yet (its gradients would be overwritten). "
-                "Call engine.zero_grad() between the backwards or sum the losses.")
+        if self.offload_carry is not None:
+            self._carry = self.offload_carry.take()  # refuses what it cannot sum, before any change
+            return
         averaged = self.optimizer.averaged_gradients
         self._carry = {
             group: [t.detach().clone() for t in tensors]
@@ -44,6 +44,9 @@ class Zero12Accumulation:
     def _epilogue(self, *args, **kwargs):
         with self.rule.around_epilogue():
             result = self._original_epilogue(*args, **kwargs)
+        if self._carry is not None and self.offload_carry is not None:
+            self.offload_carry.add_back(self._carry)
+            self._carry = None
         if self._carry:
             averaged = self.optimizer.averaged_gradients
             for group, earlier in self._carry.items():
