@@ -146,25 +146,66 @@ def test_offloaded_stage12_bf16_two_backwards_equal_one_summed_backward(stage):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_offloaded_stage12_refuses_a_second_backward_with_gradient_accumulation(stage):
-    """Offload with several micro-steps per step: DeepSpeed's own accumulation of the earlier
-    micro-steps rides on the counter the sum would restart, so it raises, before changing
-    anything; after zero_grad() the engine trains as torch does."""
+# Windows of two micro-steps: per micro-step the number of backwards, "z" first for a
+# zero_grad() before them (which drops the window so far, as torch's does).
+GAS_PLANS = {
+    2: {"two_in_each": [[2, 2], [2, 2]], "mixed": [[1, 2], [2, 1]], "zero_grad_mid_window": [["z2", 2], [2, "z2"]]},
+    1: {"two_in_each": [[2, 2], [2, 2]], "mixed": [[1, 2], [2, 1]], "zero_grad_mid_window": [["z2", 2], [2, "z2"]]},
+}
+GAS_CASES = [(stage, plan) for stage, plans in GAS_PLANS.items() for plan in plans]
+
+
+@pytest.mark.parametrize("stage,plan", GAS_CASES, ids=[f"stage{s}-{p}" for s, p in GAS_CASES])
+def test_offloaded_stage12_sums_backwards_with_gradient_accumulation(stage, plan):
+    """gradient_accumulation_steps 2: the kept fp32 gradients after a window's lone boundary
+    backward (here: after zero_grad() in mid-window), DeepSpeed's own accumulators otherwise."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2, **OFFLOAD)
     zero_lifetime.install(engine)
-    engine.backward(losses(engine(make_input("mlp_norm", 0)))[0])
-    engine.step()
-    first, _ = losses(engine(make_input("mlp_norm", 1)))  # the boundary micro-step
+    if stage == 2 and DS_VERSION == "0.17.6":
+        # Its offload accumulators keep one backward per micro-step: refused, before any change.
+        l1, l2 = losses(engine(make_input("mlp_norm", 0)))
+        engine.backward(l1, retain_graph=True)
+        with pytest.raises(NotImplementedError, match="ZeRO-2 CPU optimizer offload and gradient_accumulation"):
+            engine.backward(l2)
+        return
+    seed = 0
+    for window in GAS_PLANS[stage][plan]:
+        for micro in window:
+            if isinstance(micro, str):
+                engine.zero_grad()
+                ref_opt.zero_grad()
+            seed += 1
+            x = make_input("mlp_norm", seed)
+            l1, l2 = losses(engine(x))
+            r1, r2 = losses(reference(x))
+            if str(micro).endswith("2"):
+                engine.backward(l1, retain_graph=True)
+                engine.backward(l2)
+                ((r1 + r2) / 2).backward()  # DeepSpeed divides each loss by the GAS
+            else:
+                engine.backward(l1)
+                (r1 / 2).backward()
+            engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+
+
+def test_offloaded_stage1_refuses_an_advanced_micro_step_counter():
+    """ZeRO-1 keeps its micro-step counter at 0 (so every boundary backward is carried, above);
+    were it advanced, a second backward raises before changing anything, and after
+    zero_grad() the engine trains as torch does."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 1, **OFFLOAD)
+    zero_lifetime.install(engine)
+    first, _ = losses(engine(make_input("mlp_norm", 0)))
     engine.backward(first, retain_graph=True)
-    with pytest.raises(NotImplementedError, match="gradient_accumulation_steps > 1 \\(here 2\\)"):
+    grads = [p.grad.clone() for p in engine.optimizer.single_partition_of_fp32_groups]
+    engine.optimizer.micro_step_id = 1  # what a DeepSpeed that counted ZeRO-1 backwards would show
+    with pytest.raises(NotImplementedError, match="ZeRO-1 CPU optimizer offload when DeepSpeed's micro-step"):
         engine.backward(first)
-    engine.zero_grad()  # drops the window so far, as torch's does
-    x = make_input("mlp_norm", 2)
-    engine.backward(losses(engine(x))[0])
-    engine.step()
-    (losses(reference(x))[0] / 2).backward()
-    ref_opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(engine.optimizer.single_partition_of_fp32_groups, grads))
+    engine.zero_grad()
+    _run_steps(engine, reference, ref_opt, "mlp_norm", [2, 1], "engine", zero_grad=False)
     assert_weights_match(engine, reference)
 
 

@@ -22,6 +22,13 @@ _INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
+def at_boundary(optimizer) -> bool:
+    """Is the current micro-step the window's last? (ZeRO-1/2 and 3)"""
+    # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
+    flag = optimizer.is_gradient_accumulation_boundary
+    return bool(flag() if callable(flag) else flag)
+
+
 class GradWindowAdapter:
 
     def __init__(self, optimizer, stage: int):
@@ -146,9 +153,7 @@ class GradWindowAdapter:
                     "zero_lifetime cannot clear it")
 
     def at_boundary(self) -> bool:
-        # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
-        flag = self.optimizer.is_gradient_accumulation_boundary
-        return bool(flag() if callable(flag) else flag)
+        return at_boundary(self.optimizer)
 
     def finalize_offloaded(self, params) -> None:
         """DeepSpeed's own boundary copy into the fp32 buffers, for ``params`` only."""

@@ -2,19 +2,23 @@
 
 With offload, the boundary backward copies each reduced gradient into the fp32
 partition's ``.grad`` on the CPU, overwriting it, and records its norm for clipping in
-``norm_for_param_grads``. A second backward before step() would overwrite the first (or,
-from its second on, add DeepSpeed's saved copy of the previous backward only, as if they
-were micro-steps). ``take`` keeps the fp32 gradients, zeroes them and restarts
-DeepSpeed's micro-step count, so the next backward writes its own gradients alone;
-``add_back`` adds the kept ones and recomputes the norms of the sums.
+``norm_for_param_grads``. Earlier micro-steps reach it through DeepSpeed's CPU
+accumulators, which a backward fills only when it is not the window's lone boundary
+micro-step (``micro_step_id`` > 0 or not the boundary). So after such a lone backward a
+second one overwrites it (stock: the first is lost; from the third on, the previous one is
+re-added as if it were a micro-step).
 
-With several micro-steps per step the count also drives DeepSpeed's own accumulation of
-the earlier micro-steps, so it cannot be restarted: refused there.
+``take`` keeps the fp32 gradients there, zeroes them and restarts the micro-step count, so
+the next backward writes its own gradients alone; ``add_back`` adds the kept ones and
+recomputes the norms of the sums. After any other backward the accumulators already sum
+the next one on ZeRO-2 with 0.19.8 (measured against torch; not 0.17.6: refused there). ZeRO-1 reduces in the boundary micro-step
+only, and its counter stays at 0 there, so each of its boundary backwards is a lone one.
 """
 
 from deepspeed.accelerator import get_accelerator
 
-from .errors import require
+from .errors import deepspeed_version, require
+from .grad_window import at_boundary
 
 _INITIAL_MICRO_STEP_ID = -1  # what ZeRO-1/2's step() resets micro_step_id to
 
@@ -29,19 +33,36 @@ class Zero12OffloadCarry:
         require(optimizer, "micro_step_id", "the ZeRO micro-step counter")
         self.gradient_accumulation_steps = int(require(
             optimizer, "gradient_accumulation_steps", "the ZeRO-1/2 gradient accumulation steps"))
+        self.stage = 2 if require(optimizer, "partition_gradients", "the ZeRO-1/2 stage flag") else 1
+        # 0.19.8 (with its deferred offload finalizer) sums a further backward of a micro-step
+        # in its accumulators; 0.17.6 does not (measured against torch).
+        self.accumulators_sum_backwards = hasattr(optimizer, "_finalize_cpu_offload_gradient_accumulation")
+        require(optimizer, "is_gradient_accumulation_boundary", "the ZeRO accumulation boundary flag")
 
     def _fp32_grads(self):
         return [partition.grad for partition in self.optimizer.single_partition_of_fp32_groups]
 
     def take(self):
         """Before another backward of the same step: what the fp32 gradients hold."""
-        if self.gradient_accumulation_steps != 1:
+        opt = self.optimizer
+        # The backward before this one (micro_step_id moves on only when this one starts).
+        lone = opt.micro_step_id <= 0 and at_boundary(opt)
+        if not lone and self.stage == 2 and self.accumulators_sum_backwards:
+            return None  # DeepSpeed's micro-step accumulators sum this backward too
+        if self.stage == 2 and not self.accumulators_sum_backwards and self.gradient_accumulation_steps > 1:
             raise NotImplementedError(
                 "zero_lifetime: a second backward without zero_grad() before step() is not supported "
-                "with ZeRO-1/2 CPU optimizer offload and gradient_accumulation_steps > 1 "
-                f"(here {self.gradient_accumulation_steps}): DeepSpeed's offload accumulation would "
-                "lose or repeat gradients. Call engine.zero_grad() between the backwards, sum the "
-                "losses, or use gradient_accumulation_steps 1.")
+                "with ZeRO-2 CPU optimizer offload and gradient_accumulation_steps > 1 on DeepSpeed "
+                f"{deepspeed_version()}: its offload accumulators keep one backward per micro-step. "
+                "Call engine.zero_grad() between the backwards, sum the losses, or use DeepSpeed 0.19.8.")
+        if not lone:
+            # ZeRO-1 keeps micro_step_id at 0 in 0.17.6 and 0.19.8; what a release that
+            # advances it would do to the earlier backward is unknown, so refuse it.
+            raise NotImplementedError(
+                "zero_lifetime: a second backward without zero_grad() before step() is not supported "
+                f"with ZeRO-1 CPU optimizer offload when DeepSpeed's micro-step counter ({opt.micro_step_id}) "
+                "has advanced in the boundary micro-step. Call engine.zero_grad() between the backwards "
+                "or sum the losses.")
         get_accelerator().synchronize()  # the offload copies are asynchronous on a GPU
         kept = []
         for grad in self._fp32_grads():
