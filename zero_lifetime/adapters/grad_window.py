@@ -18,7 +18,9 @@ param as each is reduced): ``offload_window_legacy`` does that copy there.
 
 from .errors import require, unsupported_feature
 
-_INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
+INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
+# ZeRO-1/2's deferred boundary copy of offloaded gradients (0.19.8; 0.17.6 has none).
+ZERO12_OFFLOAD_FINALIZER = "_finalize_cpu_offload_gradient_accumulation"
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
@@ -43,7 +45,7 @@ class GradWindowAdapter:
             self._finalizer = ("_offload_boundary_param_ids", "_finalize_offload_gradient_accumulation")
         else:
             self.offload = bool(require(optimizer, "cpu_offload", "the ZeRO-1/2 CPU offload flag"))
-            self._finalizer = ("_offload_accumulated_param_ids", "_finalize_cpu_offload_gradient_accumulation")
+            self._finalizer = ("_offload_accumulated_param_ids", ZERO12_OFFLOAD_FINALIZER)
             if self.offload:
                 require(optimizer, "accumulated_grads_in_cpu", "the ZeRO-1/2 offload accumulators")
                 require(optimizer, "get_param_id", "the ZeRO-1/2 param ids")
@@ -94,7 +96,7 @@ class GradWindowAdapter:
         """zero_grad() before step(): reset what step() resets, so the next backward
         starts a window (copies into the accumulators instead of adding)."""
         if self.stage != 3:  # ZeRO-3's own zero_grad() resets its micro step
-            self.optimizer.micro_step_id = _INITIAL_MICRO_STEP_ID_12
+            self.optimizer.micro_step_id = INITIAL_MICRO_STEP_ID_12
             if self.offload:
                 # Set by any offloaded fp16 gradient that was not finite; step() would skip
                 # on it although zero_grad() dropped that gradient (ZeRO-3 checks at step()).

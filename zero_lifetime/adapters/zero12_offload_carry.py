@@ -11,16 +11,15 @@ re-added as if it were a micro-step).
 ``take`` keeps the fp32 gradients there, zeroes them and restarts the micro-step count, so
 the next backward writes its own gradients alone; ``add_back`` adds the kept ones and
 recomputes the norms of the sums. After any other backward the accumulators already sum
-the next one on ZeRO-2 with 0.19.8 (measured against torch; not 0.17.6: refused there). ZeRO-1 reduces in the boundary micro-step
-only, and its counter stays at 0 there, so each of its boundary backwards is a lone one.
+the next one on ZeRO-2 with 0.19.8 (measured against torch; not 0.17.6: refused there).
+ZeRO-1 reduces in the boundary micro-step only, and its counter stays at 0 there, so each
+of its boundary backwards is a lone one.
 """
 
 from deepspeed.accelerator import get_accelerator
 
 from .errors import deepspeed_version, require
-from .grad_window import at_boundary
-
-_INITIAL_MICRO_STEP_ID = -1  # what ZeRO-1/2's step() resets micro_step_id to
+from .grad_window import INITIAL_MICRO_STEP_ID_12, ZERO12_OFFLOAD_FINALIZER, at_boundary
 
 
 class Zero12OffloadCarry:
@@ -36,7 +35,7 @@ class Zero12OffloadCarry:
         self.stage = 2 if require(optimizer, "partition_gradients", "the ZeRO-1/2 stage flag") else 1
         # 0.19.8 (with its deferred offload finalizer) sums a further backward of a micro-step
         # in its accumulators; 0.17.6 does not (measured against torch).
-        self.accumulators_sum_backwards = hasattr(optimizer, "_finalize_cpu_offload_gradient_accumulation")
+        self.accumulators_sum_backwards = hasattr(optimizer, ZERO12_OFFLOAD_FINALIZER)
         require(optimizer, "is_gradient_accumulation_boundary", "the ZeRO accumulation boundary flag")
 
     def _fp32_grads(self):
@@ -69,7 +68,7 @@ class Zero12OffloadCarry:
             kept.append(None if grad is None else grad.clone())
             if grad is not None:
                 grad.zero_()  # a param the next backward does not reach keeps the kept sum only
-        self.optimizer.micro_step_id = _INITIAL_MICRO_STEP_ID
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID_12
         return kept
 
     def add_back(self, kept) -> None:
