@@ -16,6 +16,7 @@ import torch
 import multitask as mt
 import zero_lifetime
 from harness import BACKWARD_PATHS as PATHS
+from harness import assert_weights_match, losses, make_input, make_pair
 from multitask import STAGE_IDS, STAGES_OFFLOAD
 from zero_lifetime.adapters import UnsupportedDeepSpeedError, grad_window
 
@@ -140,6 +141,39 @@ def test_nvme_offload_refuses_a_stale_gradient_before_clearing_anything(monkeypa
     after = getattr(optimizer, grad_window._Z3_GRAD_PARTITIONS)
     assert after.keys() == partitions.keys() and all(torch.equal(partitions[i], after[i]) for i in after)
     assert all(torch.equal(w, p.ds_tensor) for w, (_, p) in zip(weights.values(), engine.module.named_parameters()))
+
+
+def _backward_zero_grad_step(stage, offload, install):
+    """A backward whose batch is then dropped (zero_grad()) and a step() with no other backward."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {}))
+    if install:
+        zero_lifetime.install(engine)
+    engine.backward(losses(engine(make_input("mlp_norm", 5)))[0])
+    engine.zero_grad()
+    engine.step()
+    return engine, reference, ref_opt
+
+
+@pytest.mark.parametrize("stage,offload", STAGES_OFFLOAD, ids=STAGE_IDS)
+def test_step_after_zero_grad_applies_nothing(stage, offload):
+    """torch: no gradient, no update. Stock DeepSpeed applies the dropped backward on every
+    stage; ZeRO-1/2 without offload kept it in their reduced partitions."""
+    engine, reference, ref_opt = _backward_zero_grad_step(stage, offload, install=True)
+    assert_weights_match(engine, reference)
+    x = make_input("mlp_norm", 6)
+    engine.backward(losses(engine(x))[0])
+    engine.step()
+    losses(reference(x))[0].backward()
+    ref_opt.step()
+    assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_step_after_zero_grad_applies_the_dropped_backward(stage):
+    """Negative control for the test above, where only the reduced partitions held it."""
+    engine, reference, _ = _backward_zero_grad_step(stage, False, install=False)
+    with pytest.raises(AssertionError):
+        assert_weights_match(engine, reference)
 
 
 # Stock ZeRO-3 cannot run zero_grad_between at all: its second backward fails with the

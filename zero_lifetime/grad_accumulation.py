@@ -69,16 +69,23 @@ class Zero12Accumulation:
         ZeRO-1/2 keep a running sum across micro-steps (``all_grad_tensors``) or, with
         fp32 accumulation of 16-bit params, sum into a flat partition buffer in
         ``averaged_gradients``; engine.zero_grad() leaves both, so a micro-step before
-        it would still reach step().
+        it would still reach step(). The boundary's reduced partitions stay too: a
+        step() with no backward after zero_grad() would apply them again (torch: no
+        gradient, no update).
         """
         self.grads_cleared()
         running = self.optimizer.all_grad_tensors
         for group in list(running):
             running[group] = None
         for grads in self.optimizer.averaged_gradients.values():
+            if grads is None:
+                continue
             flat = getattr(grads, "flat_partition", None)  # 0.19.8's compact buffer
             if flat is not None:
                 flat.zero_()
+            for grad in grads:
+                if grad is not None:
+                    grad.zero_()
 
     def restore(self) -> None:
         self.optimizer.__dict__.pop("independent_gradient_partition_epilogue", None)
