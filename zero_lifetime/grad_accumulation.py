@@ -4,13 +4,15 @@ Without ``zero_grad`` between them, torch sums the gradients of two backwards.
 DeepSpeed ZeRO-1/2 rebuilds its reduced partitions (``averaged_gradients``) at
 every boundary epilogue and so keeps only the last backward. We keep the
 partitions of the earlier backwards and add them back after the epilogue: the
-reduction is linear, so the sum of reduced partitions is the reduced sum.
+reduction is linear, so the sum of reduced partitions is the reduced sum (with CPU
+offload the sum lives in the fp32 gradients instead; see the two carry adapters).
 (ZeRO-3 accumulates natively once its micro step advances; see EngineBackward.)
 """
 
 from .adapters.errors import require
 from .adapters.zero12_epilogue import Zero12EpilogueRule
 from .adapters.zero12_offload_carry import Zero12OffloadCarry
+from .adapters.zero12_partition_carry import Zero12PartitionCarry
 
 
 class Zero12Accumulation:
@@ -21,47 +23,41 @@ class Zero12Accumulation:
         require(optimizer, "all_grad_tensors", "the ZeRO-1/2 running gradient sums")
         self._original_epilogue = require(optimizer, "independent_gradient_partition_epilogue",
                                           "the ZeRO-1/2 gradient epilogue")
-        self.cpu_offload = bool(getattr(optimizer, "cpu_offload", False))
-        self.offload_carry = Zero12OffloadCarry(optimizer) if self.cpu_offload else None
+        offload = bool(getattr(optimizer, "cpu_offload", False))
+        # Where the earlier backwards' sum lives: the fp32 gradients with offload, else the partitions.
+        self.carry = Zero12OffloadCarry(optimizer) if offload else Zero12PartitionCarry(optimizer)
         self.rule = Zero12EpilogueRule(optimizer)  # 0.17.6: sums micro-steps the 0.18 way
         self.grads_pending = False  # a backward's reduced grads wait for step()
-        self._carry = None  # partitions of earlier backwards, added back after the epilogue
+        self._kept = None  # the earlier backwards' sum, taken out of the running backward's way
         optimizer.independent_gradient_partition_epilogue = self._epilogue
 
     def begin_backward(self) -> None:
-        if not self.grads_pending:
-            self._carry = None
-            return
-        if self.offload_carry is not None:
-            self._carry = self.offload_carry.take()  # refuses what it cannot sum, before any change
-            return
-        averaged = self.optimizer.averaged_gradients
-        self._carry = {
-            group: [t.detach().clone() for t in tensors]
-            for group, tensors in averaged.items() if tensors is not None
-        }
+        # None also where DeepSpeed's own accumulators sum the backward (offload, GAS > 1).
+        self._kept = self.carry.take() if self.grads_pending else None  # take() refuses before any change
 
     def _epilogue(self, *args, **kwargs):
         with self.rule.around_epilogue():
             result = self._original_epilogue(*args, **kwargs)
-        if self._carry is not None and self.offload_carry is not None:
-            self.offload_carry.add_back(self._carry)
-            self._carry = None
-        if self._carry:
-            averaged = self.optimizer.averaged_gradients
-            for group, earlier in self._carry.items():
-                current = averaged.get(group)
-                if current is None:
-                    continue
-                for now, before in zip(current, earlier):
-                    now.add_(before)
-            self._carry = None
+        if self._kept is not None:
+            self.carry.add_back(self._kept)
+            self._kept = None
         self.grads_pending = True
         return result
 
     def grads_cleared(self) -> None:
         self.grads_pending = False
-        self._carry = None
+        self._kept = None
+
+    def backward_died(self) -> None:
+        """A backward ended with an exception before its epilogue: it adds nothing.
+
+        What earlier backwards of the step summed stays for the next backward or step(),
+        as torch keeps .grad (torch would also keep what the dead backward had reached;
+        DeepSpeed's buckets drop that, and so does put_back).
+        """
+        if self._kept is not None:
+            self.carry.put_back(self._kept)
+            self._kept = None
 
     def forget_window(self) -> None:
         """zero_grad() before step(): drop what earlier micro-steps of the window summed.

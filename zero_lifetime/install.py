@@ -334,7 +334,7 @@ class Installation:
         if self.bucket_fill is not None:
             self.bucket_fill.discard()
         if self.accumulation is not None:
-            self.accumulation.grads_cleared()
+            self.accumulation.backward_died()
         if self.lifetime is not None:
             self.lifetime.release_everything_held()
             self.lifetime.release_backward_leftovers()

@@ -14,6 +14,8 @@ Two protocols exist among the supported releases, told apart by probing:
 
 import torch
 
+from .errors import require
+
 
 class EngineBackwardBase:
     """What both protocols do the same way."""
@@ -21,6 +23,11 @@ class EngineBackwardBase:
     def __init__(self, engine):
         self.engine = engine
         self.optimizer = engine.optimizer
+        require(self.optimizer, "micro_step_id", "the ZeRO micro-step counter")
+        self._zero12 = int(engine.zero_optimization_stage()) in (1, 2)
+        if self._zero12:
+            require(self.optimizer, "ready_for_gradients", "the ZeRO-1/2 backward-started flag")
+            require(self.optimizer, "_release_ipg_buffers", "the ZeRO-1/2 end-of-backward buffer release")
         if not hasattr(torch._C, "_current_graph_task_id"):
             raise RuntimeError("zero_lifetime needs torch._C._current_graph_task_id (torch >= 2.1)")
 
@@ -53,7 +60,17 @@ class EngineBackwardBase:
         # a leftover grad, which fails on the CPU accelerator ("unknown parameter type").
         for param in self.engine.module.parameters():
             param.grad = None
+        # The next backward takes the dead one's micro step: ZeRO-3's zero_grad() would
+        # restart the count (the next backward would overwrite what the earlier ones summed).
+        micro_step_id = optimizer.micro_step_id
+        if self._zero12 and optimizer.ready_for_gradients:
+            # The dead backward advanced the count when its first gradient came, and its
+            # partition buffer is half written (the next backward would run past its end);
+            # the epilogue it never reached releases both.
+            micro_step_id -= 1
+            optimizer._release_ipg_buffers()
         optimizer.zero_grad()
+        optimizer.micro_step_id = micro_step_id
 
 
 def make_engine_backward(engine):

@@ -10,8 +10,9 @@ re-added as if it were a micro-step).
 
 ``take`` keeps the fp32 gradients there, zeroes them and restarts the micro-step count, so
 the next backward writes its own gradients alone; ``add_back`` adds the kept ones and
-recomputes the norms of the sums. After any other backward the accumulators already sum
-the next one on ZeRO-2 with 0.19.8 (measured against torch; not 0.17.6: refused there).
+recomputes the norms of the sums; ``put_back`` undoes ``take`` when that backward dies.
+After any other backward the accumulators already sum the next one on ZeRO-2 with 0.19.8
+(measured against torch; not 0.17.6: refused there).
 ZeRO-1 reduces in the boundary micro-step only, and its counter stays at 0 there, so each
 of its boundary backwards is a lone one.
 """
@@ -20,6 +21,17 @@ from deepspeed.accelerator import get_accelerator
 
 from .errors import deepspeed_version, require
 from .grad_window import INITIAL_MICRO_STEP_ID_12, ZERO12_OFFLOAD_FINALIZER, at_boundary
+
+
+class _Kept:
+    """What ``take`` moved out of the optimizer's way."""
+
+    __slots__ = ("grads", "norms", "micro_step_id")
+
+    def __init__(self, grads, norms, micro_step_id):
+        self.grads = grads
+        self.norms = norms
+        self.micro_step_id = micro_step_id
 
 
 class Zero12OffloadCarry:
@@ -63,9 +75,9 @@ class Zero12OffloadCarry:
                 "has advanced in the boundary micro-step. Call engine.zero_grad() between the backwards "
                 "or sum the losses.")
         get_accelerator().synchronize()  # the offload copies are asynchronous on a GPU
-        kept = []
+        kept = _Kept([], dict(opt.norm_for_param_grads), opt.micro_step_id)
         for grad in self._fp32_grads():
-            kept.append(None if grad is None else grad.clone())
+            kept.grads.append(None if grad is None else grad.clone())
             if grad is not None:
                 grad.zero_()  # a param the next backward does not reach keeps the kept sum only
         opt.micro_step_id = INITIAL_MICRO_STEP_ID_12
@@ -76,10 +88,25 @@ class Zero12OffloadCarry:
         opt = self.optimizer
         get_accelerator().synchronize()
         grads = self._fp32_grads()
-        for grad, earlier in zip(grads, kept):
+        for grad, earlier in zip(grads, kept.grads):
             if grad is not None and earlier is not None:
                 grad.add_(earlier)
         for param_id, norm in list(opt.norm_for_param_grads.items()):
             group, _, dest_offset, num_elements = opt.grad_position[param_id]
             summed = grads[group].view(-1).narrow(0, dest_offset, num_elements)
             opt.norm_for_param_grads[param_id] = summed.to(norm.dtype).norm(2)
+
+    def put_back(self, kept) -> None:
+        """That backward died before its epilogue: the state ``take`` found, as it was.
+
+        Overwritten, not added to: whatever the dead backward reduced is dropped, as
+        DeepSpeed's buckets drop what it left in them.
+        """
+        opt = self.optimizer
+        get_accelerator().synchronize()
+        for grad, earlier in zip(self._fp32_grads(), kept.grads):
+            if grad is not None and earlier is not None:
+                grad.copy_(earlier)
+        opt.norm_for_param_grads.clear()
+        opt.norm_for_param_grads.update(kept.norms)
+        opt.micro_step_id = kept.micro_step_id
