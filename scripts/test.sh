@@ -8,6 +8,9 @@ export DS_ACCELERATOR=cpu
 if [ "$ZL_DEEPSPEED" != 0.19.8 ]; then
   # Another DeepSpeed release: the pytest suite only (or the tests given); the native and
   # CUDA build checks below do not depend on DeepSpeed and run with the default.
+  # DeepSpeed JIT-builds its CPU comm op under one name for every release: a cache of its
+  # own keeps this run from loading (or rebuilding under) another release's build.
+  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}/deepspeed-$ZL_DEEPSPEED"
   exec "$PY" -m pytest -q -p no:cacheprovider "${@:-tests}"
 fi
 # The C++ core's native tests: plain, under AddressSanitizer+UBSan, and under
