@@ -42,9 +42,11 @@ CONTROL_TIMEOUT_S = 45
 
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
-              persistence=0, schedule=None, install=True):
+              persistence=0, schedule=None, install=True, offload=False, gas=1):
+    """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
-                persistence=persistence, schedule=schedule or [2] * STEPS, install=install)
+                persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
+                gas=gas)
 
 
 def _build_scenarios():
@@ -57,6 +59,13 @@ def _build_scenarios():
         for path in ("engine", "manual"):
             for zero_grad in (True, False):
                 out.append(_scenario(f"two-stage{stage}-{path}-{zg_ids[zero_grad]}", "steps", stage, path, zero_grad))
+    # ZeRO-1/2 with CPU optimizer offload: the fp32 gradients carried across backwards, alone
+    # (GAS 1) and beside DeepSpeed's micro-step accumulators (GAS 2); no offload as a control.
+    for stage in (1, 2):
+        for offload in (True, False):
+            for gas, schedule in ((1, [2, 1, 2]), (2, [2, 2, 1, 2, 2, 1])):
+                sid = f"carry-stage{stage}-{'offload' if offload else 'no_offload'}-gas{gas}"
+                out.append(_scenario(sid, "steps", stage, schedule=schedule, offload=offload, gas=gas))
     # Stage 3: every model x policy x path x zero_grad with all params partitioned
     # (persistence 0); with the default threshold (100000: these small models then keep
     # every param persistent, so the policy has nothing to do) every model x path x zero_grad.
@@ -95,7 +104,11 @@ def _build_scenarios():
                 out.append(dict(id=sid, kind="fp16", stage=stage, offload=offload, zero_grad=zero_grad))
     # Last: a failing backward may leave DeepSpeed's global state odd.
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
-    return out if _torch_style_backward() else _engine_paths_only(out)
+    if _torch_style_backward():
+        return out
+    # 0.17.6 refuses a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
+    return [sc for sc in _engine_paths_only(out)
+            if not (sc["id"].startswith("carry-stage2-offload") and sc.get("gas", 1) > 1)]
 
 
 def deepspeed_release() -> str:
@@ -164,6 +177,10 @@ def _engine_step(engine, sc, step, backwards, rank):
     engine.step()
 
 
+def _at_boundary(sc, step):
+    return (step + 1) % sc["gas"] == 0
+
+
 def _ddp_step(ddp, opt, sc, step, backwards, rank):
     from harness import losses
     x = _shard(sc["model"], step, rank)
@@ -174,9 +191,10 @@ def _ddp_step(ddp, opt, sc, step, backwards, rank):
     else:
         l1, l2 = losses(ddp(x))
         loss = l2 if sc["zero_grad"] else l1 + l2  # torch's two-backward result, one reduced backward
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+    (loss / sc["gas"]).backward()  # DeepSpeed divides each loss by the GAS
+    if _at_boundary(sc, step):
+        opt.step()
+        opt.zero_grad()
 
 
 def _allreduce_step(model, opt, sc, step, backwards, rank):
@@ -186,13 +204,15 @@ def _allreduce_step(model, opt, sc, step, backwards, rank):
     if sc["kind"] == "penalty":
         _penalty_loss(model, x).backward()
     elif backwards == 1:
-        losses(model(x))[0].backward()
+        (losses(model(x))[0] / sc["gas"]).backward()
     else:
         l1, l2 = losses(model(x))
-        l1.backward(retain_graph=True)
+        (l1 / sc["gas"]).backward(retain_graph=True)
         if sc["zero_grad"]:
             opt.zero_grad()
-        l2.backward()
+        (l2 / sc["gas"]).backward()
+    if not _at_boundary(sc, step):
+        return  # .grad sums the window's micro-steps; reduced once, at its end
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= WORLD
@@ -229,7 +249,8 @@ def _run_training(sc, rank):
     ddp_model, ar_model = copy.deepcopy(model), copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = LR[sc["model"]]
-    cfg = ds_config(sc["stage"], sc["persistence"], lr=lr)
+    offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
+    cfg = ds_config(sc["stage"], sc["persistence"], lr=lr, gas=sc["gas"], **offload)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, device_ids=None)
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     ar_opt = torch.optim.SGD(ar_model.parameters(), lr=lr)
