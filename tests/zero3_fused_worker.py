@@ -18,9 +18,9 @@ BF16_ATOL = 2e-2
 
 def _scenario(sid, dtype="fp32", overlap=True, install=False, two_losses=False, model="mlp_norm",
               uninstall_first=False):
-    # kind/zero_grad/model: the keys two_rank_worker's oracle steps read.
-    return dict(id=sid, kind="steps", zero_grad=False, model=model, dtype=dtype, overlap=overlap, install=install,
-                two_losses=two_losses, uninstall_first=uninstall_first)
+    # kind/zero_grad/model/gas: the keys two_rank_worker's oracle steps read.
+    return dict(id=sid, kind="steps", zero_grad=False, model=model, gas=1, dtype=dtype, overlap=overlap,
+                install=install, two_losses=two_losses, uninstall_first=uninstall_first)
 
 
 SCENARIOS = [
