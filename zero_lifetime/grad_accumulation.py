@@ -78,7 +78,8 @@ class Zero12Accumulation:
                 continue
             flat = getattr(grads, "flat_partition", None)  # 0.19.8's compact buffer
             if flat is not None:
-                flat.zero_()
+                flat.zero_()  # its per-param gradients are views of it
+                continue
             for grad in grads:
                 if grad is not None:
                     grad.zero_()
