@@ -12,12 +12,12 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from fill_args import parse_fill_args
 from zero_lifetime import ops
 
 
@@ -40,14 +40,8 @@ def _mean_call(fn, calls: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=8192)
-    parser.add_argument("--numel", type=int, default=1024)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    args = parser.parse_args()
-    n, numel, dtype = args.tensors, args.numel, getattr(torch, args.dtype)
-    if not ops.native_available():
-        raise SystemExit("fill_host_cold: the compiled extension is not available (python -m zero_lifetime.env_report)")
+    args, dtype = parse_fill_args("fill_host_cold", __doc__.splitlines()[0])
+    n, numel = args.tensors, args.numel
     offsets = [i * numel for i in range(n)]
     buffer = torch.empty(n * numel)
     single_elements = [torch.randn(1).to(dtype) for _ in range(n)]

@@ -17,25 +17,18 @@ medians of 10 calls), each as time / the roofline ``buffer.copy_(flat)`` of the 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
+from fill_args import parse_fill_args
 from zero_lifetime import ops
 from zero_lifetime.bench.timing import interleave
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=8192)
-    parser.add_argument("--numel", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    args = parser.parse_args()
-    n, numel, dtype = args.tensors, args.numel, getattr(torch, args.dtype)
-    if not ops.native_available():
-        raise SystemExit("fill_host_cost: the compiled extension is not available (python -m zero_lifetime.env_report)")
+    args, dtype = parse_fill_args("fill_host_cost", __doc__.splitlines()[0], lambda parser: parser.add_argument("--rounds", type=int, default=15))
+    n, numel = args.tensors, args.numel
 
     # Allocated as bench.kernels does (fp32 randn, then cast).
     scattered = [torch.randn(numel).to(dtype) for _ in range(n)]
