@@ -19,7 +19,6 @@ from .adapters.grad_hooks import GradHooks, deepspeed_hooks_are_dead
 # torch >= 2.1: a hook on the param itself, nothing to keep alive. Module level so a test
 # can force the AccumulateGrad-node path that torch < 2.1 needs.
 USE_POST_ACCUMULATE_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-_KEEP_ALIVE_ATTR = "_zero_lifetime_grad_accumulators"
 
 
 class GradientsNotReducedError(RuntimeError):
@@ -49,7 +48,7 @@ class GradHookGuard:
         if self.recreated_hooks:
             self.hooks.recreate(self._register_kept_alive)
         self._taken = set()  # ids of params a DeepSpeed hook took a gradient of, this backward
-        self._undo_entry = self.hooks.wrap_entry(lambda param: self._taken.add(id(param)))
+        self._entry_patch = self.hooks.wrap_entry(lambda param: self._taken.add(id(param)))
 
     def _register_kept_alive(self, param, hook):
         if USE_POST_ACCUMULATE_HOOK:
@@ -58,8 +57,7 @@ class GradHookGuard:
         # optimizer, so the hooks outlive uninstall() like the fix does.
         node = param.expand_as(param).grad_fn.next_functions[0][0]
         handle = node.register_hook(hook)
-        keep = self.hooks.optimizer.__dict__.setdefault(_KEEP_ALIVE_ATTR, [])
-        keep.append(node)
+        self.hooks.keep_alive(node)
         return handle
 
     def begin_backward(self) -> None:
@@ -81,4 +79,4 @@ class GradHookGuard:
                 f"AccumulateGrad nodes that died, DeepSpeed #7595?).")
 
     def restore(self) -> None:
-        self._undo_entry()
+        self._entry_patch.undo()

@@ -21,7 +21,6 @@ class MicroStepWindow:
 
     def __init__(self, optimizer, stage: int, params):
         self.adapter = GradWindowAdapter(optimizer, stage)
-        self._optimizer = optimizer
         self._params = list(params)
         self._in_window = set()        # params with a gradient since the window began (by id)
         self._this_backward = {}       # id -> param, for the running backward
@@ -29,10 +28,8 @@ class MicroStepWindow:
         # (install may come after steps), then those that got one since the last.
         self._maybe_holding = {id(p) for p in self._params}
         self._first_backward = True
-        # Another wrapper (Zero12Accumulation) may already sit on the instance: keep it.
-        self._previous_instance_epilogue = optimizer.__dict__.get("independent_gradient_partition_epilogue")
-        self._original_epilogue = optimizer.independent_gradient_partition_epilogue
-        optimizer.independent_gradient_partition_epilogue = self._epilogue
+        # On top of Zero12Accumulation's wrapper where there is one; undone in reverse.
+        self._epilogue_patch = self.adapter.wrap_epilogue(self._epilogue)
         self._undo_stage1_patch = self.adapter.patch_stage1_boundary(lambda p: id(p) in self._this_backward)
 
     def begin_backward(self) -> None:
@@ -70,8 +67,8 @@ class MicroStepWindow:
             self.adapter.discard_gradients([p for p in self._params if id(p) in stale])
         self._maybe_holding = set(self._in_window)
 
-    def _epilogue(self, *args, **kwargs):
-        result = self._original_epilogue(*args, **kwargs)
+    def _epilogue(self, original, *args, **kwargs):
+        result = original(*args, **kwargs)
         if self.adapter.offload and self.adapter.at_boundary():
             missed = [p for p in self._params if id(p) in self._in_window and id(p) not in self._this_backward]
             self.adapter.finalize_offloaded(missed)
@@ -81,7 +78,4 @@ class MicroStepWindow:
         if self._undo_stage1_patch is not None:
             self._undo_stage1_patch()
         self.adapter.restore()
-        if self._previous_instance_epilogue is None:
-            self._optimizer.__dict__.pop("independent_gradient_partition_epilogue", None)
-        else:
-            self._optimizer.independent_gradient_partition_epilogue = self._previous_instance_epilogue
+        self._epilogue_patch.undo()

@@ -15,6 +15,7 @@ refused with an error at the first gradient, before DeepSpeed sees it.
 
 from .engine_backward import EngineBackwardBase
 from .errors import require, unsupported_feature
+from .grad_window import EPILOGUE
 
 _WRAPPED = ("_backward_prologue", "_backward_epilogue")
 
@@ -27,7 +28,7 @@ class ExplicitEngineBackward(EngineBackwardBase):
         super().__init__(engine)
         for name in _WRAPPED:
             require(engine, name, "the engine backward prologue/epilogue")
-        require(self.optimizer, "independent_gradient_partition_epilogue", "the ZeRO gradient epilogue")
+        require(self.optimizer, EPILOGUE, "the ZeRO gradient epilogue")
         self._inside_engine_backward = False
         self._finished_since_forward = False
         original_prologue, original_epilogue = engine._backward_prologue, engine._backward_epilogue

@@ -11,6 +11,9 @@ import deepspeed.runtime.zero.stage_1_and_2 as stage12_module
 import deepspeed.utils.torch as ds_torch_utils
 
 from .errors import require
+from .patching import wrap_method
+
+_KEEP_ALIVE_ATTR = "_zero_lifetime_grad_accumulators"  # ours, on the optimizer
 
 
 def deepspeed_hooks_are_dead() -> bool:
@@ -59,16 +62,17 @@ class GradHooks:
         finally:
             self._module.register_grad_hook = original
 
+    def keep_alive(self, node) -> None:
+        """Hold a hooked ``AccumulateGrad`` node for as long as the optimizer lives (so the
+        hooks outlive uninstall(), as DeepSpeed's fix does)."""
+        self.optimizer.__dict__.setdefault(_KEEP_ALIVE_ATTR, []).append(node)
+
     def wrap_entry(self, on_param):
         """Call ``on_param(param)`` whenever one of DeepSpeed's hooks takes a gradient.
-        Returns an undo callable."""
-        optimizer = self.optimizer
-        name = self._entry_name
-        original = getattr(optimizer, name)
+        Returns the patch (``undo()``)."""
 
-        def entry(param, *args, **kwargs):
+        def entry(original, param, *args, **kwargs):
             on_param(param)
             return original(param, *args, **kwargs)
 
-        setattr(optimizer, name, entry)
-        return lambda: optimizer.__dict__.pop(name, None)
+        return wrap_method(self.optimizer, self._entry_name, entry)

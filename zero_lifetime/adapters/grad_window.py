@@ -17,7 +17,9 @@ param as each is reduced): ``offload_window_legacy`` does that copy there.
 """
 
 from .errors import require, unsupported_feature
+from .patching import InstancePatch, wrap_method
 
+EPILOGUE = "independent_gradient_partition_epilogue"  # ends every backward, stages 1-3
 INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
 # ZeRO-1/2's deferred boundary copy of offloaded gradients (0.19.8; 0.17.6 has none).
 ZERO12_OFFLOAD_FINALIZER = "_finalize_cpu_offload_gradient_accumulation"
@@ -37,7 +39,7 @@ class GradWindowAdapter:
         self.optimizer = optimizer
         self.stage = stage
         require(optimizer, "micro_step_id", "the ZeRO micro-step counter")
-        require(optimizer, "independent_gradient_partition_epilogue", "the ZeRO gradient epilogue")
+        require(optimizer, EPILOGUE, "the ZeRO gradient epilogue")
         require(optimizer, "is_gradient_accumulation_boundary", "the ZeRO accumulation boundary flag")
         if stage == 3:
             require(optimizer, _Z3_GRAD_PARTITIONS, "the ZeRO-3 gradient partitions")
@@ -69,6 +71,11 @@ class GradWindowAdapter:
             self._legacy = LegacyOffloadWindow(optimizer, stage, self.at_boundary)
         # Stage 1/2 allocate their buckets and advance the micro step here, once per backward.
         self._setup_buckets = "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
+
+    def wrap_epilogue(self, around) -> InstancePatch:
+        """``around(original, *args, **kwargs)`` runs in place of the epilogue (of whatever
+        wrapped it before); ``undo()`` on the result puts that back."""
+        return wrap_method(self.optimizer, EPILOGUE, around)
 
     def first_backward_of_window(self) -> bool:
         """Called as a backward starts, before DeepSpeed's hooks advance anything."""
@@ -197,32 +204,31 @@ class GradWindowAdapter:
         require(optimizer, self._setup_buckets, "the ZeRO-1/2 bucket setup")
         require(optimizer, "bit16_groups", "the ZeRO-1/2 param groups")
         require(optimizer, "overlap_comm", "the ZeRO overlap_comm flag")
+        require(optimizer, "reduce_ready_partitions_and_remove_grads", "the ZeRO-1/2 bucket entry")
         group_of = {id(p): i for i, group in enumerate(optimizer.bit16_groups) for p in group}
-        original_reduce = optimizer.reduce_gradients
-        original_setup = getattr(optimizer, self._setup_buckets)
 
-        def reduce_gradients(*args, **kwargs):
+        def reduce_gradients(original, *args, **kwargs):
             # Without overlap_comm DeepSpeed walks every param with a gradient itself.
             if optimizer.overlap_comm:
                 for group in optimizer.bit16_groups:
                     for param in group:
                         if param.grad is not None and not processed_this_backward(param):
                             optimizer.reduce_ready_partitions_and_remove_grads(param, group_of[id(param)])
-            return original_reduce(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        def setup_buckets(*args, **kwargs):
-            result = original_setup(*args, **kwargs)
+        def setup_buckets(original, *args, **kwargs):
+            result = original(*args, **kwargs)
             if self.offload and self.at_boundary():
                 # torch already summed the window in param.grad: copy, do not add the CPU one.
                 optimizer.micro_step_id = 0
             return result
 
-        optimizer.reduce_gradients = reduce_gradients
-        setattr(optimizer, self._setup_buckets, setup_buckets)
+        patches = [wrap_method(optimizer, "reduce_gradients", reduce_gradients),
+                   wrap_method(optimizer, self._setup_buckets, setup_buckets)]
 
         def undo():
-            optimizer.__dict__.pop("reduce_gradients", None)
-            optimizer.__dict__.pop(self._setup_buckets, None)
+            for patch in reversed(patches):
+                patch.undo()
 
         return undo
 
