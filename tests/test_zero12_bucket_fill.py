@@ -52,7 +52,7 @@ def test_grads_alias_bucket_when_reduced():
     engine, _ = _engine(2, 10_000)
     fill = zero_lifetime.install(engine).bucket_fill
     seen = []
-    original = fill._original_reduce
+    original = fill.buckets.stock_reduce
 
     def checking_reduce(comm_dtype=None):
         for dtype, bucket in engine.optimizer.ipg_buckets.items():
@@ -64,7 +64,7 @@ def test_grads_alias_bucket_when_reduced():
         # DeepSpeed 0.17.6's reduce_ipg_grads() takes no dtype (it reduces every bucket).
         return original() if comm_dtype is None else original(comm_dtype=comm_dtype)
 
-    fill._original_reduce = checking_reduce
+    fill.buckets.stock_reduce = checking_reduce
     mt.train_engine(engine, "summed", 1)
     assert seen and all(seen), seen
 
@@ -107,7 +107,7 @@ def test_epilogue_rule_fix_follows_the_release_even_without_source(monkeypatch, 
             def no_source(obj):
                 raise OSError("could not get source code")
             monkeypatch.setattr(inspect, "getsource", no_source)
-        rule = zero12_epilogue.Zero12EpilogueRule(engine.optimizer)
+        rule = zero12_epilogue.Zero12Epilogue(engine.optimizer)
         assert rule.needs_fix == (deepspeed_version() == "0.17.6")
     finally:
         engine.destroy()

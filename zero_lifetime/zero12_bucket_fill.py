@@ -33,65 +33,44 @@ class Zero12BucketFill:
 
     def __init__(self, optimizer):
         self.buckets = Zero12Buckets(optimizer)
-        self.optimizer = optimizer
-        self._original_add = optimizer.reduce_independent_p_g_buckets_and_remove_grads
-        self._original_reduce = optimizer.reduce_ipg_grads
         self._pending = {}  # comm dtype -> _Pending
         self.fills = 0  # fused fills run (for stats and tests)
         self.fused_grads = 0
         self.prescaled_fills = 0  # fills that also did DeepSpeed's division by the world size
-        optimizer.reduce_independent_p_g_buckets_and_remove_grads = self._add
-        optimizer.reduce_ipg_grads = self._reduce
+        self.buckets.replace_methods(add=self._add, reduce=self._reduce)
 
     # ---- DeepSpeed entry points --------------------------------------------------------
 
     def _add(self, param, i):
-        opt = self.optimizer
-        numel = param.numel()
-        if numel == 0 or not opt.contiguous_gradients or self.buckets.zenflow or numel > opt.reduce_bucket_size:
-            return self._original_add(param, i)
-        grad = opt.get_gradient_for_reduction(param)
-        comm_dtype = opt.get_param_comm_dtype(param)
-        bucket = opt.ipg_buckets[comm_dtype]
-        if bucket.elements + numel > opt.reduce_bucket_size:
-            self.buckets.reduce(opt.reduce_ipg_grads, comm_dtype)  # flushes the pending fill first
-            self.buckets.after_overflow_reduce()
-            if opt.overlap_comm:
-                bucket.index = 1 - bucket.index
-        if not getattr(param, "ds_grad_is_ready", True):
+        buckets = self.buckets
+        if not buckets.takes_reservation(param):
+            return buckets.stock_add(param, i)
+        added = buckets.add_without_copy(param, i)
+        if added is None:
             return None
-        self.buckets.fold_autoep(param, grad)
-        param_id = opt.get_param_id(param)
-        assert not opt.params_already_reduced[param_id], (
-            f"param {param_id} was already reduced: a gradient computed twice for this partition")
-        assert grad is not None, f"param {param_id}: no gradient to reduce"
+        comm_dtype, grad, offset = added
         pending = self._pending.get(comm_dtype)
         if pending is None:
             pending = self._pending[comm_dtype] = _Pending()
-        pending.reserve(grad, bucket.elements, numel)
-        if self.buckets.has_streams:
-            pending.streams.append(self.buckets.current_stream())
-        self.buckets.record_producer(grad, bucket)
-        bucket.elements += numel
-        bucket.grads.append(grad)
-        bucket.params.append((i, param.param_idx_in_group, param_id))
-        if self.buckets.is_moe_param(param):  # average_tensor picks its process group
-            bucket.has_moe_params = True
+        pending.reserve(grad, offset, param.numel())
+        if buckets.has_streams:
+            pending.streams.append(buckets.current_stream())
         return None
 
     def _reduce(self, comm_dtype=None):
-        dtypes = self.buckets.dtypes_reduced_by(comm_dtype)
+        buckets = self.buckets
+        dtypes = buckets.dtypes_reduced_by(comm_dtype)
         if not any(self._can_prescale(dtype) for dtype in dtypes):
             for dtype in dtypes:
                 self._flush(dtype)
-            return self.buckets.reduce(self._original_reduce, comm_dtype)
+            return buckets.reduce(buckets.stock_reduce, comm_dtype)
         # One dtype at a time (what DeepSpeed does inside one call), so each bucket's
         # reduction knows whether its fill already divided it.
         for dtype in dtypes:
             prescale = self._can_prescale(dtype)
-            self._flush(dtype, scale=self.buckets.average_factor() if prescale else 1.0)
-            with self.buckets.division_skipped(prescale):
-                self._original_reduce(comm_dtype=dtype)
+            self._flush(dtype, scale=buckets.average_factor() if prescale else 1.0)
+            with buckets.division_skipped(prescale):
+                buckets.stock_reduce(comm_dtype=dtype)
         return None
 
     def _can_prescale(self, comm_dtype) -> bool:
@@ -99,7 +78,7 @@ class Zero12BucketFill:
         # bypasses the buffer and is divided by DeepSpeed itself).
         pending = self._pending.get(comm_dtype)
         return (pending is not None and self.buckets.divides_bucket_before_reduce(comm_dtype)
-                and self.optimizer.ipg_buckets[comm_dtype].elements == pending.numel)
+                and self.buckets.elements(comm_dtype) == pending.numel)
 
     # ---- the fused fill ------------------------------------------------------------------
 
@@ -107,20 +86,7 @@ class Zero12BucketFill:
         pending = self._pending.pop(comm_dtype, None)
         if pending is None or not pending.items:
             return
-        bucket = self.optimizer.ipg_buckets[comm_dtype]
-        buffer = bucket.buffer[bucket.index]
-        if self.buckets.has_streams:
-            # Read every gradient only after the stream that produced it; the fill itself
-            # runs on the current stream, which DeepSpeed's reduction then waits for.
-            current = self.buckets.current_stream()
-            for stream in set(pending.streams):
-                if stream != current:
-                    current.wait_stream(stream)
-            self.buckets.wait_before_reusing(bucket)
-            if self.optimizer.overlap_comm:
-                self.buckets.note_copy_stream(bucket, current)
-        else:
-            self.buckets.wait_before_reusing(bucket)
+        buffer = self.buckets.buffer_for_fill(comm_dtype, pending.streams)
         fill_and_repoint(buffer, pending.items, pending.offsets, scale)
         self.fills += 1
         self.prescaled_fills += scale != 1.0
@@ -137,5 +103,4 @@ class Zero12BucketFill:
 
     def restore(self) -> None:
         self.flush_pending()
-        self.optimizer.__dict__.pop("reduce_independent_p_g_buckets_and_remove_grads", None)
-        self.optimizer.__dict__.pop("reduce_ipg_grads", None)
+        self.buckets.restore()

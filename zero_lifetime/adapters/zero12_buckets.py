@@ -22,18 +22,23 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
 from .errors import require
+from .patching import wrap_method
 
+_ADD = "reduce_independent_p_g_buckets_and_remove_grads"
+_REDUCE = "reduce_ipg_grads"
 _BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads")
 _STREAM_SAFETY = ("_offload_gradient_safety_enabled", "_record_gradient_stream", "_record_bucket_producer")
 
 
 class Zero12Buckets:
+    """One ZeRO-1/2 optimizer's IPG buckets: its two bucket methods, replaced on the
+    instance, and what the replacements read and record (buckets named by comm dtype)."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
         for name, what in (
-            ("reduce_independent_p_g_buckets_and_remove_grads", "the per-param bucket fill"),
-            ("reduce_ipg_grads", "the bucket reduction"),
+            (_ADD, "the per-param bucket fill"),
+            (_REDUCE, "the bucket reduction"),
             ("ipg_buckets", "the IPG buckets"),
             ("get_gradient_for_reduction", "the gradient accessor"),
             ("get_param_comm_dtype", "the communication dtype of a param"),
@@ -49,7 +54,7 @@ class Zero12Buckets:
         ):
             require(optimizer, name, f"ZeRO-1/2 {what}")
         # 0.18.5+ protocol: per-dtype reduction, stream safety, a skippable division.
-        self.per_dtype_reduce = "comm_dtype" in inspect.signature(optimizer.reduce_ipg_grads).parameters
+        self.per_dtype_reduce = "comm_dtype" in inspect.signature(getattr(optimizer, _REDUCE)).parameters
         if self.per_dtype_reduce:
             require(optimizer, "gradient_average", "the ZeRO-1/2 gradient averaging flag")
             for name in _STREAM_SAFETY:
@@ -65,19 +70,92 @@ class Zero12Buckets:
         accelerator = get_accelerator()
         self.has_streams = not accelerator.resolves_data_dependency()
         self.current_stream = accelerator.current_stream
+        self._patches = []
+        self.stock_add = self.stock_reduce = None  # the methods the replacements stand in for
 
-    def fold_autoep(self, param, grad) -> None:
+    # ---- the replaced entry points -------------------------------------------------------
+
+    def replace_methods(self, add, reduce) -> None:
+        """``add(param, i)`` and ``reduce(comm_dtype=None)`` take over the stock methods."""
+        self._patches = [wrap_method(self.optimizer, _ADD, lambda _original, *a, **k: add(*a, **k)),
+                         wrap_method(self.optimizer, _REDUCE, lambda _original, *a, **k: reduce(*a, **k))]
+        self.stock_add, self.stock_reduce = (patch.original for patch in self._patches)
+
+    def restore(self) -> None:
+        for patch in reversed(self._patches):
+            patch.undo()
+        self._patches = []
+
+    # ---- adding a gradient ----------------------------------------------------------------
+
+    def takes_reservation(self, param) -> bool:
+        """False for what the stock add treats specially (an empty or oversized gradient,
+        non-contiguous gradients, ZenFlow): that goes through the stock add unchanged."""
+        opt, numel = self.optimizer, param.numel()
+        return numel != 0 and opt.contiguous_gradients and not self.zenflow and numel <= opt.reduce_bucket_size
+
+    def add_without_copy(self, param, i):
+        """The stock add, all but its copy: reduce a bucket that would overflow, check the
+        param, record the gradient in the bucket. Returns (comm_dtype, gradient, offset of
+        its slice in the bucket buffer), or None when the param's gradient is not ready."""
+        opt = self.optimizer
+        numel = param.numel()
+        grad = opt.get_gradient_for_reduction(param)
+        comm_dtype = opt.get_param_comm_dtype(param)
+        bucket = opt.ipg_buckets[comm_dtype]
+        if bucket.elements + numel > opt.reduce_bucket_size:
+            self.reduce(getattr(opt, _REDUCE), comm_dtype)  # the replaced reduce: flushes the pending fill first
+            self._after_overflow_reduce()
+            if opt.overlap_comm:
+                bucket.index = 1 - bucket.index
+        if not getattr(param, "ds_grad_is_ready", True):
+            return None
         if self._autoep is not None:
             self._autoep(param, grad)
+        param_id = opt.get_param_id(param)
+        assert not opt.params_already_reduced[param_id], (
+            f"param {param_id} was already reduced: a gradient computed twice for this partition")
+        assert grad is not None, f"param {param_id}: no gradient to reduce"
+        offset = bucket.elements
+        self._record_producer(grad, bucket)
+        bucket.elements += numel
+        bucket.grads.append(grad)
+        bucket.params.append((i, param.param_idx_in_group, param_id))
+        if self.is_moe_param(param):  # average_tensor picks its process group
+            bucket.has_moe_params = True
+        return comm_dtype, grad, offset
 
-    def wait_before_reusing(self, bucket) -> None:
+    def elements(self, comm_dtype) -> int:
+        """How much of the bucket is taken (reserved slices included)."""
+        return self.optimizer.ipg_buckets[comm_dtype].elements
+
+    # ---- filling a bucket ----------------------------------------------------------------
+
+    def buffer_for_fill(self, comm_dtype, producer_streams):
+        """The buffer the reserved gradients go into, once the current stream may write it:
+        after every stream that produced them and the reduction that last read the buffer."""
+        bucket = self.optimizer.ipg_buckets[comm_dtype]
+        if self.has_streams:
+            # The fill runs on the current stream, which DeepSpeed's reduction then waits for.
+            current = self.current_stream()
+            for stream in set(producer_streams):
+                if stream != current:
+                    current.wait_stream(stream)
+            self._wait_before_reusing(bucket)
+            if self.optimizer.overlap_comm:
+                self._note_copy_stream(bucket, current)
+        else:
+            self._wait_before_reusing(bucket)
+        return bucket.buffer[bucket.index]
+
+    def _wait_before_reusing(self, bucket) -> None:
         """DeepSpeed's offload safety: the buffer must not be rewritten before the
         reduction that last read it (recorded per buffer index) has finished."""
         if (self.per_dtype_reduce and self.optimizer._offload_gradient_safety_enabled
                 and bucket.index in bucket.reuse_events):
             self.current_stream().wait_event(bucket.reuse_events[bucket.index])
 
-    def record_producer(self, grad, bucket) -> None:
+    def _record_producer(self, grad, bucket) -> None:
         """What the stock add records for the offload stream safety (0.18.5+; nothing on 0.17.6)."""
         if not self.per_dtype_reduce:
             return
@@ -85,7 +163,7 @@ class Zero12Buckets:
             self.optimizer._record_gradient_stream(grad, self.current_stream())
         self.optimizer._record_bucket_producer(bucket)
 
-    def note_copy_stream(self, bucket, stream) -> None:
+    def _note_copy_stream(self, bucket, stream) -> None:
         """The reduction waits on every stream that copied into the bucket (0.19.3+)."""
         if self.per_dtype_reduce:
             bucket.copy_streams.add(stream)
@@ -103,7 +181,7 @@ class Zero12Buckets:
             return self.sorted_dtypes()
         return [comm_dtype]
 
-    def after_overflow_reduce(self) -> None:
+    def _after_overflow_reduce(self) -> None:
         """0.17.6's ordering after a flush (0.19.8 orders with reuse_events instead)."""
         opt = self.optimizer
         if not self.per_dtype_reduce and opt.overlap_comm and self.has_streams:

@@ -9,6 +9,15 @@ of reduced partitions is the reduced sum.
 from .errors import require
 
 
+def carry_for(optimizer):
+    """Where the earlier backwards' sum lives: the fp32 gradients with CPU offload, else the
+    reduced partitions."""
+    if require(optimizer, "cpu_offload", "the ZeRO-1/2 CPU offload flag"):
+        from .zero12_offload_carry import Zero12OffloadCarry
+        return Zero12OffloadCarry(optimizer)
+    return Zero12PartitionCarry(optimizer)
+
+
 class Zero12PartitionCarry:
 
     def __init__(self, optimizer):
