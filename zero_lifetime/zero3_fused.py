@@ -47,22 +47,16 @@ class Zero3FusedCopies:
         self._installed = True
         self.buckets.override(ADD_GRAD, self._add_grad_to_bucket)
         self.buckets.override(REDUCE_BUCKET, self._reduce_bucket)
-        self._wrapped_gathers = []
-        for param in self._params:
-            original = param.__dict__[Zero3GatherHandles.PER_PARAM_GATHER]
-            wrapper = self._wrap_gather(original)
-            param.__dict__[Zero3GatherHandles.PER_PARAM_GATHER] = wrapper
-            self._wrapped_gathers.append((param, original, wrapper))
+        self._gather_patches = self.handles.wrap_param_gathers(self._params, self._all_gather_coalesced)
 
     def uninstall(self) -> None:
         """Stock methods back: pending gradients are filled now; handles already in flight wait the stock way."""
         self._installed = False
         self._fill_all_pending()
         self.buckets.restore()
-        for param, original, wrapper in self._wrapped_gathers:
-            if param.__dict__.get(Zero3GatherHandles.PER_PARAM_GATHER) is wrapper:
-                param.__dict__[Zero3GatherHandles.PER_PARAM_GATHER] = original
-        self._wrapped_gathers.clear()
+        for patch in reversed(self._gather_patches):
+            patch.undo()
+        self._gather_patches.clear()
 
     # ---- gradient buckets -----------------------------------------------------------------
 
@@ -70,12 +64,11 @@ class Zero3FusedCopies:
     def _add_grad_to_bucket(self, param) -> None:
         buckets = self.buckets
         comm_dtype = buckets.comm_dtype(param)
-        bucket = buckets.bucket_of_dtype(comm_dtype)
-        if bucket.elements == 0:
+        if buckets.elements(comm_dtype) == 0:
             # A bucket emptied elsewhere (step(), an interrupted backward) drops its reservations.
             self._pending.pop(comm_dtype, None)
-        if not self._fusable_grad(bucket, param.grad):
-            # Copied now at bucket.elements, which counts the reserved slices too.
+        if not self._fusable_grad(comm_dtype, param.grad):
+            # Copied now at the bucket's fill state, which counts the reserved slices too.
             return buckets.stock(ADD_GRAD)(param)
         accelerator = self._accelerator
         if not accelerator.resolves_data_dependency():
@@ -84,17 +77,16 @@ class Zero3FusedCopies:
             # reduce stream waits; the autograd stream never waits on reductions.
             buckets.reduce_stream.wait_stream(accelerator.current_stream())
         numel = param.grad.numel()
-        if buckets.goes_into_buffer(bucket, numel):
+        if buckets.goes_into_buffer(comm_dtype, numel):
             # The param, not its gradient: the fill reads whatever .grad holds at the flush.
-            self._pending.setdefault(comm_dtype, Reservations()).reserve(param, bucket.elements, numel)
-        bucket.params.append(param)
-        buckets.note_partition_group(bucket, param)
-        bucket.elements += numel
+            self._pending.setdefault(comm_dtype, Reservations()).reserve(param, buckets.elements(comm_dtype), numel)
+        buckets.append(comm_dtype, param, numel)
 
-    def _fusable_grad(self, bucket, grad) -> bool:
+    def _fusable_grad(self, comm_dtype, grad) -> bool:
         if self.buckets.zenflow:  # ZenFlow copies transposed gradients: the stock method does
             return False
-        return grad.dtype in _OP_DTYPES and (bucket.buffer is None or bucket.buffer.dtype in _OP_DTYPES)
+        buffer = self.buckets.buffer(comm_dtype)
+        return grad.dtype in _OP_DTYPES and (buffer is None or buffer.dtype in _OP_DTYPES)
 
     @torch.no_grad()
     def _reduce_bucket(self, comm_dtype) -> None:
@@ -103,8 +95,7 @@ class Zero3FusedCopies:
 
     def _fill(self, comm_dtype) -> None:
         pending = self._pending.pop(comm_dtype, None)
-        bucket = self.buckets.bucket_of_dtype(comm_dtype)
-        if pending is None or not bucket.params:
+        if pending is None or not self.buckets.has_params(comm_dtype):
             return
         accelerator = self._accelerator
         # The fill reads the old storage on the reduce stream: not reusable before it ran.
@@ -112,7 +103,7 @@ class Zero3FusedCopies:
                            lambda grad: grad.record_stream(accelerator.current_stream()))
         with accelerator.stream(self.buckets.reduce_stream):
             grads = [param.grad for param in pending.items]
-            fill_and_repoint(bucket.buffer, grads, pending.offsets, 1.0, keep_until_read)
+            fill_and_repoint(self.buckets.buffer(comm_dtype), grads, pending.offsets, 1.0, keep_until_read)
         self.counts["bucket_fills"] += 1
         self.counts["filled_grads"] += len(grads)
 
@@ -124,16 +115,11 @@ class Zero3FusedCopies:
 
     # ---- coalesced all-gathers ------------------------------------------------------------
 
-    def _wrap_gather(self, original):
-
-        def all_gather_coalesced(*args, **kwargs):
-            handle = original(*args, **kwargs)
-            if self._installed:
-                for coalesced in self.handles.coalesced_in(handle):
-                    coalesced.wait = self._fused_wait_of(coalesced)
-            return handle
-
-        return all_gather_coalesced
+    def _all_gather_coalesced(self, original, *args, **kwargs):
+        handle = original(*args, **kwargs)
+        if self._installed:
+            self.handles.replace_waits(handle, self._fused_wait_of)
+        return handle
 
     def _fused_wait_of(self, handle):
         # A weak reference: the handle holds this function, and a cycle would keep the
@@ -151,46 +137,24 @@ class Zero3FusedCopies:
         self._wait(handle, handle_dependency)
 
     def _wait(self, handle, handle_dependency: bool) -> None:
-        if handle.complete:
+        handles = self.handles
+        if handles.is_complete(handle):
             return
-        layout = self._fusable_layout(handle) if self._installed else None
+        layout = handles.fused_layout(handle, _OP_DTYPES) if self._installed else None
         if layout is None:
             self.counts["stock_gathers"] += 1
-            return self.handles.stock_wait(handle, handle_dependency)
-        gathered, shard_numels, dtype = layout
-        handle.allgather_handle.wait()
-        params = handle.params
-        numels = [param.ds_numel for param in params]
+            return handles.stock_wait(handle, handle_dependency)
+        handles.wait_collective(handle)
+        gathered = layout.gathered
         # Cast on the way (autocast gathers in its comm dtype; params keep ds_tensor's).
-        out = self._ops.gather_buffer(sum(numels), dtype, gathered.device)
-        self._ops.gather_copy_out(gathered, out, shard_numels, numels, handle.world_size)
-        offset = 0
-        for param, numel in zip(params, numels):
-            assert self.handles.is_inflight(param), f"expected param {param.ds_summary()} to be inflight"
-            param.data = out.narrow(0, offset, numel).view(param.ds_shape)
-            self.handles.mark_available(param)
-            offset += numel
+        out = self._ops.gather_buffer(sum(layout.numels), layout.dtype, gathered.device)
+        self._ops.gather_copy_out(gathered, out, layout.shard_numels, layout.numels, layout.world_size)
+        handles.hand_out(layout, out)
         accelerator = self._accelerator
         if not accelerator.is_synchronized_device():
             if handle_dependency:
                 gathered.record_stream(accelerator.current_stream())
             else:  # the coordinator syncs, then drops these (AllGatherCoalescedHandle.free_buffer)
-                self.handles.keep_until_free_buffer(gathered)
-        handle.complete = True
+                handles.keep_until_free_buffer(gathered)
+        handles.mark_complete(handle)
         self.counts["fused_gathers"] += 1
-
-    def _fusable_layout(self, handle):
-        """(gathered flat buffer, shard numels, param dtype) when the fused copy-out applies, else None."""
-        params = handle.params
-        if handle.quantization is not None or not params:
-            return None  # quantized: dequantized per param dtype by the stock wait
-        if any(param.ds_persist for param in params):
-            return None  # never released: would pin every other param's storage in the shared buffer
-        dtypes = {param.ds_tensor.dtype for param in params}
-        if len(dtypes) != 1 or not dtypes <= _OP_DTYPES:
-            return None
-        shard_numels = self.handles.shard_numels(handle)
-        gathered = self.handles.gathered_buffer(handle, sum(shard_numels))
-        if gathered is None or gathered.dtype not in _OP_DTYPES:
-            return None
-        return gathered, shard_numels, dtypes.pop()

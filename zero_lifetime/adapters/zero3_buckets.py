@@ -16,8 +16,10 @@ Two DeepSpeed copy loops (0.19.8 and 0.17.6 alike) are replaced (see ``zero_life
 """
 
 import inspect
+from typing import NamedTuple
 
 from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError, require
+from .patching import wrap_method
 
 _STAGE3 = "_DeepSpeedZeroOptimizer_Stage3"
 ADD_GRAD = f"{_STAGE3}__add_grad_to_ipg_bucket"
@@ -68,13 +70,24 @@ class Zero3Buckets:
     def comm_dtype(self, param):
         return self.optimizer.get_param_comm_dtype(param)
 
-    def bucket_of_dtype(self, comm_dtype):
-        return self.optimizer.ipg_buckets[comm_dtype]
+    def elements(self, comm_dtype) -> int:
+        """Where the next gradient's slice of the bucket starts (reserved slices included)."""
+        return self.optimizer.ipg_buckets[comm_dtype].elements
 
-    def note_partition_group(self, bucket, param) -> None:
-        """What the stock add records about the param's partition group, where it records it."""
-        if self._has_bucket_group:
+    def buffer(self, comm_dtype):
+        """The bucket's buffer (None until the first stock add allocates it)."""
+        return self.optimizer.ipg_buckets[comm_dtype].buffer
+
+    def has_params(self, comm_dtype) -> bool:
+        return bool(self.optimizer.ipg_buckets[comm_dtype].params)
+
+    def append(self, comm_dtype, param, numel: int) -> None:
+        """The stock add's bookkeeping, for a gradient whose copy is deferred to the flush."""
+        bucket = self.optimizer.ipg_buckets[comm_dtype]
+        bucket.params.append(param)
+        if self._has_bucket_group:  # the param's partition group, where the bucket records it
             bucket.process_group = self.optimizer._get_param_partition_group(param)
+        bucket.elements += numel
 
     @property
     def reduce_stream(self):
@@ -85,9 +98,21 @@ class Zero3Buckets:
         # ZenFlow copies transposed gradients into the bucket: left to the stock method.
         return bool(getattr(self.optimizer, "zenflow", False))  # 0.17.6's stage 3 has none
 
-    def goes_into_buffer(self, bucket, numel: int) -> bool:
+    def goes_into_buffer(self, comm_dtype, numel: int) -> bool:
         """The stock rule for copying a gradient into the bucket buffer (else it stays standalone)."""
-        return self.optimizer.contiguous_gradients and bucket.elements + numel <= self.optimizer.reduce_bucket_size
+        opt = self.optimizer
+        return opt.contiguous_gradients and self.elements(comm_dtype) + numel <= opt.reduce_bucket_size
+
+
+class FusedLayout(NamedTuple):
+    """One coalesced gather as the fused copy-out sees it."""
+
+    gathered: object  # the flat buffer every rank's segment was gathered into
+    shard_numels: list  # each param's per-rank shard length in a segment
+    numels: list  # each param's full length
+    dtype: object  # the params' dtype (the copy-out casts to it)
+    params: list
+    world_size: int
 
 
 class Zero3GatherHandles:
@@ -124,8 +149,56 @@ class Zero3GatherHandles:
             for inner in handle.handles:
                 yield from self.coalesced_in(inner)
 
+    def wrap_param_gathers(self, params, around):
+        """``around(original, *args, **kwargs)`` in place of each param's ``all_gather_coalesced``.
+        Returns the patches (``undo()`` each, in reverse)."""
+        return [wrap_method(param, self.PER_PARAM_GATHER, around) for param in params]
+
+    def replace_waits(self, handle, make_wait) -> None:
+        """Every coalesced handle inside what all_gather_coalesced returned waits with ``make_wait(it)``."""
+        for coalesced in self.coalesced_in(handle):
+            coalesced.wait = make_wait(coalesced)
+
     def stock_wait(self, handle, handle_dependency: bool) -> None:
         self.Coalesced.wait(handle, handle_dependency=handle_dependency)
+
+    @staticmethod
+    def is_complete(handle) -> bool:
+        return handle.complete
+
+    @staticmethod
+    def mark_complete(handle) -> None:
+        handle.complete = True
+
+    @staticmethod
+    def wait_collective(handle) -> None:
+        handle.allgather_handle.wait()
+
+    def fused_layout(self, handle, op_dtypes):
+        """The layout of a gather the fused copy-out covers, else None (the stock wait then)."""
+        params = handle.params
+        if handle.quantization is not None or not params:
+            return None  # quantized: dequantized per param dtype by the stock wait
+        if any(param.ds_persist for param in params):
+            return None  # never released: would pin every other param's storage in the shared buffer
+        dtypes = {param.ds_tensor.dtype for param in params}
+        if len(dtypes) != 1 or not dtypes <= op_dtypes:
+            return None
+        shard_numels = self.shard_numels(handle)
+        gathered = self.gathered_buffer(handle, sum(shard_numels))
+        if gathered is None or gathered.dtype not in op_dtypes:
+            return None
+        return FusedLayout(gathered, shard_numels, [param.ds_numel for param in params], dtypes.pop(), list(params),
+                           handle.world_size)
+
+    def hand_out(self, layout: FusedLayout, out) -> None:
+        """Each param of the gather becomes its view of ``out`` and is available, as the stock wait leaves it."""
+        offset = 0
+        for param, numel in zip(layout.params, layout.numels):
+            assert param.ds_status == self.ZeroParamStatus.INFLIGHT, f"param {param.ds_summary()} is not inflight"
+            param.data = out.narrow(0, offset, numel).view(param.ds_shape)
+            param.ds_status = self.ZeroParamStatus.AVAILABLE
+            offset += numel
 
     @staticmethod
     def shard_numels(handle):
@@ -148,12 +221,6 @@ class Zero3GatherHandles:
             if part.numel() != shard_total or part.data_ptr() != flat.data_ptr() + rank * step:
                 return None
         return flat
-
-    def is_inflight(self, param) -> bool:
-        return param.ds_status == self.ZeroParamStatus.INFLIGHT
-
-    def mark_available(self, param) -> None:
-        param.ds_status = self.ZeroParamStatus.AVAILABLE
 
     def keep_until_free_buffer(self, tensor) -> None:
         """handle_dependency=False: the coordinator frees these after syncing (``free_buffer``)."""
