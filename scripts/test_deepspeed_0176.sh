@@ -8,5 +8,6 @@ ENGINE_TESTS=(tests/test_retain_graph.py tests/test_install_api.py tests/test_gr
   tests/test_micro_step_window.py tests/test_zero12_bucket_fill.py tests/test_zero3_fused.py
   tests/test_two_ranks.py tests/test_faults.py tests/test_soak.py tests/test_hf_trainer.py
   tests/test_config_section.py tests/test_reporting.py tests/test_env_report.py tests/test_launchers.py
-  tests/test_unreached_params.py tests/test_several_forwards.py tests/test_fp16_loss_scale.py)
+  tests/test_unreached_params.py tests/test_several_forwards.py tests/test_fp16_loss_scale.py
+  tests/test_adapter_boundary.py)
 ZL_DEEPSPEED=0.17.6 exec bash scripts/test.sh "${ENGINE_TESTS[@]}" "$@"

@@ -54,6 +54,26 @@ def test_stage12_install_leaves_stage3_machinery_alone(stage):
     assert stats["stage"] == stage and stats["pinned_params"] == 0
 
 
+def _patched_methods(obj):
+    """The callables an instance holds in its own __dict__ (where per-instance patches live)."""
+    return {name: value for name, value in vars(obj).items() if callable(value)}
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (1, True), (2, False), (2, True), (3, False)])
+def test_uninstall_leaves_optimizer_and_params_as_found(stage, offload):
+    """Several layers wrap the same DeepSpeed methods; uninstall must unwind all of them."""
+    engine, *_ = make_pair("mlp_norm", stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {}))
+    optimizer, params = engine.optimizer, list(engine.module.parameters())
+    before = _patched_methods(optimizer), [_patched_methods(p) for p in params]
+    zero_lifetime.install(engine)
+    assert _patched_methods(optimizer) != before[0]  # install did patch this optimizer
+    two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=False)
+    engine.step()
+    assert zero_lifetime.uninstall(engine) is True
+    assert _patched_methods(optimizer) == before[0]
+    assert [_patched_methods(p) for p in params] == before[1]
+
+
 def test_unknown_deepspeed_internals_fail_clearly(monkeypatch):
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     monkeypatch.delattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__release_param")

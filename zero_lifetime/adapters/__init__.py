@@ -1,11 +1,12 @@
 """DeepSpeed's private names: one module per concern, each probing its names at install.
 
 A missing name raises UnsupportedDeepSpeedError (naming the supported versions), so an
-unknown DeepSpeed fails loudly instead of half-working. Three ZeRO-1/2 layers outside this
-package also call the optimizer's private methods and fields: ``grad_accumulation`` (the
-epilogue and reduced partitions, probed with ``require`` there), ``micro_step_window``
-(the epilogue, probed by ``grad_window``) and ``zero12_bucket_fill`` (the IPG bucket path,
-probed by ``zero12_buckets``); each runs those probes first, in its constructor.
+unknown DeepSpeed fails loudly instead of half-working. The runtime layers outside this
+package reach DeepSpeed's optimizers, IPG buckets, gather handles and coordinator only
+through these modules (``tests/test_adapter_boundary.py`` checks it). Two exceptions:
+ZeRO-3 params' ``ds_*`` attributes, which the tracker's hot path reads directly, and
+``zero_lifetime.bench``, whose stock baselines call DeepSpeed's own methods by name.
+Per-instance method overrides go through ``patching`` so stacked wrappers unwind exactly.
 """
 
 from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError
