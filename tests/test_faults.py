@@ -287,3 +287,23 @@ def test_dead_backward_leaves_the_clipping_norm_of_the_earlier_ones(engine_kind)
     ref_opt.step()
     torch.testing.assert_close(torch.as_tensor(engine.get_global_grad_norm()).float(), norm, rtol=1e-4, atol=0)
     assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("clear_first", [False, True], ids=["step", "zero_grad_then_step"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_without_backward_fails_clearly_and_training_goes_on(stage, clear_first):
+    """A skipped batch's step(): DeepSpeed fails on the missing gradients with a bare
+    TypeError; installed, the error says why, the weights stay as torch's, and the next
+    step trains like torch."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+    _plain_step(engine, reference, ref_opt, seed=0)
+    if clear_first:
+        engine.zero_grad()
+    with pytest.raises(zero_lifetime.StepWithoutBackwardError, match="no backward since the previous step") as err:
+        engine.step()
+    assert isinstance(err.value, TypeError) and isinstance(err.value.__cause__, TypeError)
+    assert_weights_match(engine, reference)
+    _plain_step(engine, reference, ref_opt, seed=1)
+    assert_weights_match(engine, reference)
+

@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .install import install, stats, uninstall  # noqa: E402
+from .install import StepWithoutBackwardError, install, stats, uninstall  # noqa: E402
 
-__all__ = ["install", "uninstall", "stats", "__version__"]
+__all__ = ["install", "uninstall", "stats", "StepWithoutBackwardError", "__version__"]

@@ -34,6 +34,11 @@ def _check_engine(engine):
                         f"{type(engine).__qualname__}")
 
 
+class StepWithoutBackwardError(TypeError):
+    """step() with no backward since the previous step(), where DeepSpeed fails on the
+    missing gradients. A TypeError, as DeepSpeed's own failure there is."""
+
+
 class Installation:
     """What install() patched on one engine, and the state it keeps."""
 
@@ -58,6 +63,7 @@ class Installation:
         self._entered_via_outputs = False
         self._entry_forward = None  # the forward whose output opened the backward being opened
         self._failed_backwards = 0
+        self._backward_since_step = True  # install may come after a backward: assume one
         self._patched = []
         self._handles = []
         self.tracker = None
@@ -192,7 +198,16 @@ class Installation:
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary:
                 self.window.before_step()
-            result = original(*args, **kwargs)
+            try:
+                result = original(*args, **kwargs)
+            except TypeError as error:
+                if self._backward_since_step:
+                    raise
+                raise StepWithoutBackwardError(
+                    "zero_lifetime: step() with no backward since the previous step(): DeepSpeed has no "
+                    "gradients to step with (torch would leave the weights as they are). Skip step() for "
+                    "a batch whose backward you skip.") from error
+            self._backward_since_step = False
             if self.accumulation is not None:
                 self.accumulation.grads_cleared()
             if boundary:
@@ -317,6 +332,7 @@ class Installation:
             self.lifetime.end()
         if self._accumulating:
             self._accumulating = False
+            self._backward_since_step = True
             self.grad_guard.check_backward(self.window.params_this_backward())
 
     # ---- faults ----------------------------------------------------------------------------
