@@ -27,7 +27,8 @@ from zero_lifetime.bench.timing import interleave
 
 
 def main():
-    args, dtype = parse_fill_args("fill_host_cost", __doc__.splitlines()[0], lambda parser: parser.add_argument("--rounds", type=int, default=15))
+    args, dtype = parse_fill_args("fill_host_cost", __doc__.splitlines()[0],
+                                  lambda parser: parser.add_argument("--rounds", type=int, default=15))
     n, numel = args.tensors, args.numel
 
     # Allocated as bench.kernels does (fp32 randn, then cast).

@@ -10,6 +10,7 @@ import torch
 from . import config
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
+from .adapters.patching import Patches
 from .backward_scope import BackwardScope
 from .reporting import StatsReporter, get_logger
 
@@ -64,7 +65,7 @@ class Installation:
         self._entry_forward = None  # the forward whose output opened the backward being opened
         self._failed_backwards = 0
         self._backward_since_step = True  # install may come after a backward: assume one
-        self._patched = []
+        self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
         self.tracker = None
         self.grad_guard = self.lifetime = self.fused = None
@@ -113,15 +114,11 @@ class Installation:
     # ---- patching ---------------------------------------------------------------------
 
     def _patch(self, name, wrapper_factory):
-        original = getattr(self.engine, name)
-        self._patched.append(name)
-        object.__setattr__(self.engine, name, wrapper_factory(original))
+        self._patches.apply(self.engine, name, wrapper_factory)
 
     def restore(self) -> None:
         """Undo everything installed, in reverse order; safe on a partial install."""
-        for name in self._patched:
-            self.engine.__dict__.pop(name, None)
-        self._patched.clear()
+        self._patches.undo()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

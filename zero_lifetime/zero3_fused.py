@@ -54,9 +54,7 @@ class Zero3FusedCopies:
         self._installed = False
         self._fill_all_pending()
         self.buckets.restore()
-        for patch in reversed(self._gather_patches):
-            patch.undo()
-        self._gather_patches.clear()
+        self._gather_patches.undo()
 
     # ---- gradient buckets -----------------------------------------------------------------
 

@@ -6,7 +6,8 @@ package reach DeepSpeed's optimizers, IPG buckets, gather handles and coordinato
 through these modules (``tests/test_adapter_boundary.py`` checks it). Two exceptions:
 ZeRO-3 params' ``ds_*`` attributes, which the tracker's hot path reads directly, and
 ``zero_lifetime.bench``, whose stock baselines call DeepSpeed's own methods by name.
-Per-instance method overrides go through ``patching`` so stacked wrappers unwind exactly.
+Wrappers of DeepSpeed methods go through ``patching``, so stacked wrappers unwind exactly
+(``Zero3Buckets.override`` replaces two methods outright and restores the class's).
 """
 
 from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError

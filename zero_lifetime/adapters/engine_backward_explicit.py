@@ -16,8 +16,9 @@ refused with an error at the first gradient, before DeepSpeed sees it.
 from .engine_backward import EngineBackwardBase
 from .errors import require, unsupported_feature
 from .grad_window import EPILOGUE
+from .patching import Patches
 
-_WRAPPED = ("_backward_prologue", "_backward_epilogue")
+_PROLOGUE, _EPILOGUE = "_backward_prologue", "_backward_epilogue"
 
 
 class ExplicitEngineBackward(EngineBackwardBase):
@@ -26,26 +27,26 @@ class ExplicitEngineBackward(EngineBackwardBase):
 
     def __init__(self, engine):
         super().__init__(engine)
-        for name in _WRAPPED:
+        for name in (_PROLOGUE, _EPILOGUE):
             require(engine, name, "the engine backward prologue/epilogue")
         require(self.optimizer, EPILOGUE, "the ZeRO gradient epilogue")
         self._inside_engine_backward = False
         self._finished_since_forward = False
-        original_prologue, original_epilogue = engine._backward_prologue, engine._backward_epilogue
 
-        def prologue(*args, **kwargs):
+        def prologue(original, *args, **kwargs):
             self._inside_engine_backward = True
-            return original_prologue(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        def epilogue(*args, **kwargs):
+        def epilogue(original, *args, **kwargs):
             try:
-                return original_epilogue(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 self._inside_engine_backward = False
                 self._finished_since_forward = True
 
-        engine.__dict__["_backward_prologue"] = prologue
-        engine.__dict__["_backward_epilogue"] = epilogue
+        self._patches = Patches()
+        self._patches.wrap(engine, _PROLOGUE, prologue)
+        self._patches.wrap(engine, _EPILOGUE, epilogue)
 
     def backward_finished_since_forward(self) -> bool:
         """A previous engine.backward over the current forward ran to its end."""
@@ -85,5 +86,4 @@ class ExplicitEngineBackward(EngineBackwardBase):
         self._inside_engine_backward = False
 
     def restore(self) -> None:
-        for name in _WRAPPED:
-            self.engine.__dict__.pop(name, None)
+        self._patches.undo()

@@ -17,7 +17,7 @@ param as each is reduced): ``offload_window_legacy`` does that copy there.
 """
 
 from .errors import require, unsupported_feature
-from .patching import InstancePatch, wrap_method
+from .patching import InstancePatch, Patches, wrap_method
 
 EPILOGUE = "independent_gradient_partition_epilogue"  # ends every backward, stages 1-3
 INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
@@ -223,14 +223,10 @@ class GradWindowAdapter:
                 optimizer.micro_step_id = 0
             return result
 
-        patches = [wrap_method(optimizer, "reduce_gradients", reduce_gradients),
-                   wrap_method(optimizer, self._setup_buckets, setup_buckets)]
-
-        def undo():
-            for patch in reversed(patches):
-                patch.undo()
-
-        return undo
+        patches = Patches()
+        patches.wrap(optimizer, "reduce_gradients", reduce_gradients)
+        patches.wrap(optimizer, self._setup_buckets, setup_buckets)
+        return patches.undo
 
     def restore(self) -> None:
         if self._legacy is not None:

@@ -19,6 +19,7 @@ ZeRO-1 needs neither: its boundary reduction takes every param with a gradient
 from deepspeed import comm as dist
 
 from .errors import require, unsupported_feature
+from .patching import Patches
 
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _ACCUMULATE = "async_accumulate_grad_in_cpu_via_gpu"
@@ -30,7 +31,7 @@ class LegacyOffloadWindow:
         self.optimizer = optimizer
         self.stage = stage
         self._at_boundary = at_boundary
-        self._patched = False
+        self._patches = Patches()
         names = {
             2: ("grad_position", "accumulated_grads_in_cpu", "temp_grad_buffer_for_gpu_offload",
                 "fp16_master_weights_and_gradients", "use_grad_accum_attribute", "get_param_gradient_attribute",
@@ -48,16 +49,14 @@ class LegacyOffloadWindow:
 
     def _patch_running_sum(self) -> None:
         opt = self.optimizer
-        original = getattr(opt, _ACCUMULATE)
 
-        def accumulate(param):
+        def accumulate(original, param):
             result = original(param)
             if opt.micro_step_id > 0 and not self._at_boundary():
                 self._store_running_sum(param)
             return result
 
-        opt.__dict__[_ACCUMULATE] = accumulate
-        self._patched = True
+        self._patches.wrap(opt, _ACCUMULATE, accumulate)
 
     def _store_running_sum(self, param) -> None:
         opt = self.optimizer
@@ -116,6 +115,4 @@ class LegacyOffloadWindow:
             fp32_grad.copy_(grad_buffer.float())
 
     def restore(self) -> None:
-        if self._patched:
-            self.optimizer.__dict__.pop(_ACCUMULATE, None)
-            self._patched = False
+        self._patches.undo()

@@ -31,3 +31,30 @@ class InstancePatch:
 def wrap_method(obj, name: str, around) -> InstancePatch:
     """``around(original, *args, **kwargs)`` runs in place of ``obj.<name>(*args, **kwargs)``."""
     return InstancePatch(obj, name, lambda original: functools.partial(around, original))
+
+
+class Patches:
+    """Several instance patches, undone together in the reverse order of patching."""
+
+    def __init__(self):
+        self._applied = []
+
+    def wrap(self, obj, name: str, around) -> InstancePatch:
+        """As :func:`wrap_method`, kept for ``undo``."""
+        return self._keep(wrap_method(obj, name, around))
+
+    def replace(self, obj, name: str, function) -> InstancePatch:
+        """``function`` in place of ``obj.<name>`` (``.original`` on the result is what it replaced)."""
+        return self._keep(InstancePatch(obj, name, lambda _original: function))
+
+    def apply(self, obj, name: str, make_replacement) -> InstancePatch:
+        """``make_replacement(original)`` in place of ``obj.<name>``."""
+        return self._keep(InstancePatch(obj, name, make_replacement))
+
+    def undo(self) -> None:
+        while self._applied:
+            self._applied.pop().undo()
+
+    def _keep(self, patch: InstancePatch) -> InstancePatch:
+        self._applied.append(patch)
+        return patch

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
 from .errors import require
-from .patching import wrap_method
+from .patching import Patches
 
 _ADD = "reduce_independent_p_g_buckets_and_remove_grads"
 _REDUCE = "reduce_ipg_grads"
@@ -70,21 +70,18 @@ class Zero12Buckets:
         accelerator = get_accelerator()
         self.has_streams = not accelerator.resolves_data_dependency()
         self.current_stream = accelerator.current_stream
-        self._patches = []
+        self._patches = Patches()
         self.stock_add = self.stock_reduce = None  # the methods the replacements stand in for
 
     # ---- the replaced entry points -------------------------------------------------------
 
     def replace_methods(self, add, reduce) -> None:
         """``add(param, i)`` and ``reduce(comm_dtype=None)`` take over the stock methods."""
-        self._patches = [wrap_method(self.optimizer, _ADD, lambda _original, *a, **k: add(*a, **k)),
-                         wrap_method(self.optimizer, _REDUCE, lambda _original, *a, **k: reduce(*a, **k))]
-        self.stock_add, self.stock_reduce = (patch.original for patch in self._patches)
+        self.stock_add = self._patches.replace(self.optimizer, _ADD, add).original
+        self.stock_reduce = self._patches.replace(self.optimizer, _REDUCE, reduce).original
 
     def restore(self) -> None:
-        for patch in reversed(self._patches):
-            patch.undo()
-        self._patches = []
+        self._patches.undo()
 
     # ---- adding a gradient ----------------------------------------------------------------
 

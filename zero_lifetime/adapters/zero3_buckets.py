@@ -19,7 +19,7 @@ import inspect
 from typing import NamedTuple
 
 from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError, require
-from .patching import wrap_method
+from .patching import Patches
 
 _STAGE3 = "_DeepSpeedZeroOptimizer_Stage3"
 ADD_GRAD = f"{_STAGE3}__add_grad_to_ipg_bucket"
@@ -57,6 +57,7 @@ class Zero3Buckets:
         return getattr(type(self.optimizer), name).__get__(self.optimizer)
 
     def override(self, name, function) -> None:
+        # Replaces, not wraps (``stock`` is the class's method); restore goes back to it.
         self.optimizer.__dict__[name] = function
         self._overridden.append(name)
 
@@ -149,10 +150,13 @@ class Zero3GatherHandles:
             for inner in handle.handles:
                 yield from self.coalesced_in(inner)
 
-    def wrap_param_gathers(self, params, around):
+    def wrap_param_gathers(self, params, around) -> Patches:
         """``around(original, *args, **kwargs)`` in place of each param's ``all_gather_coalesced``.
-        Returns the patches (``undo()`` each, in reverse)."""
-        return [wrap_method(param, self.PER_PARAM_GATHER, around) for param in params]
+        Returns the patches (``undo()`` puts every param's back)."""
+        patches = Patches()
+        for param in params:
+            patches.wrap(param, self.PER_PARAM_GATHER, around)
+        return patches
 
     def replace_waits(self, handle, make_wait) -> None:
         """Every coalesced handle inside what all_gather_coalesced returned waits with ``make_wait(it)``."""
