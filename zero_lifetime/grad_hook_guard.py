@@ -6,7 +6,8 @@
   makes DeepSpeed create its hooks again through a registration that keeps them alive.
 * A param that requires grad but is not in the ZeRO optimizer (frozen when
   ``deepspeed.initialize`` ran, unfrozen later) would get gradients nobody reduces or
-  applies: an error at install, or at the end of the backward that produced one.
+  applies: an error at install, or at the end of the backward that produced one (for
+  the params the module had at install).
 * At the end of every backward: a param that got a gradient which no DeepSpeed hook
   took is an error that names it, instead of an IndexError or a step that changes
   nothing.
@@ -38,10 +39,11 @@ class GradHookGuard:
     def __init__(self, engine, stage: int):
         self.hooks = GradHooks(engine.optimizer, stage)
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
-        self._module = engine.module
         self._managed = {id(p) for p in self.hooks.managed_params()}
-        unmanaged = [self._names.get(id(p), "?") for p in engine.module.parameters()
-                     if p.requires_grad and id(p) not in self._managed]
+        # Checked after every backward for a gradient: looked up once here, since walking the
+        # module tree with parameters() costs more than the rest of the check.
+        self._unmanaged = [p for p in engine.module.parameters() if id(p) not in self._managed]
+        unmanaged = [self._names.get(id(p), "?") for p in self._unmanaged if p.requires_grad]
         if unmanaged:
             raise ValueError(_unmanaged_message(unmanaged))
         self.recreated_hooks = deepspeed_hooks_are_dead()
@@ -65,8 +67,7 @@ class GradHookGuard:
 
     def check_backward(self, got_gradient) -> None:
         """``got_gradient``: the params whose .grad this backward accumulated into."""
-        unmanaged = [self._names.get(id(p), "?") for p in self._module.parameters()
-                     if p.grad is not None and id(p) not in self._managed]
+        unmanaged = [self._names.get(id(p), "?") for p in self._unmanaged if p.grad is not None]
         if unmanaged:
             raise GradientsNotReducedError(_unmanaged_message(unmanaged))
         missed = [self._names.get(id(p), "?") for p in got_gradient if id(p) not in self._taken]

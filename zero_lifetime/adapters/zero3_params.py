@@ -77,8 +77,10 @@ class Zero3Params:
     @staticmethod
     def module_counters(modules):
         """The backward counters each module holds right after a forward."""
-        return [(m, tuple(m.__dict__.get(name) for name in _MODULE_BACKWARD_COUNTERS)) for m in modules
-                if "applied_pre_backward_ref_cnt" in m.__dict__]
+        # Runs after every forward over every module: no generator per module.
+        pre_backward, grads_remaining = _MODULE_BACKWARD_COUNTERS
+        return [(m, (d[pre_backward], d.get(grads_remaining))) for m in modules
+                if pre_backward in (d := m.__dict__)]
 
     @staticmethod
     def restore_module_counters(snapshot) -> None:
