@@ -56,6 +56,8 @@ for phase in "$@"; do
         --plot "$OUT/bench_cuda.png"
       run bench_kernels python3 -m zero_lifetime.bench.kernels --device cuda --json "$OUT/kernels_cuda.json"
       run profile_ops python3 benchmarks/profile_ops.py --device cuda --json "$OUT/profile_cuda.json"
+      # The host's share of install's step overhead (saved-tensor hooks, per-step walks) on this machine's CPU.
+      run step_host_cost python3 benchmarks/step_host_cost.py --rounds 60
       ;;
     *) echo "unknown phase: $phase (setup, tests, sanitize, bench)"; exit 2 ;;
   esac
