@@ -61,8 +61,27 @@ class Checkpointed(torch.nn.Module):
         return self.out(h)
 
 
+class RawAlias(torch.nn.Module):
+    """A forward that saves a param's memory without an autograd view of it (``p.data[:]``):
+    the tracker can only find it by address. ``alias = False`` saves a copy instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.alias = True
+        self.l1 = torch.nn.Linear(IN, HIDDEN)
+        self.gain = torch.nn.Parameter(torch.rand(HIDDEN) + 0.5)
+        self.l2 = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        scale = self.gain.data[:] if self.alias else self.gain.detach().clone()
+        # The product saves only `scale` (for h's gradient); gain's own gradient comes through the sum.
+        return self.l2(h * scale + self.gain)
+
+
 MODELS = {
     "mlp_norm": MLPNorm,
+    "raw_alias": RawAlias,
     "tied_lm": TiedLM,
     "ckpt_reentrant": lambda: Checkpointed(True),
     "ckpt_nonreentrant": lambda: Checkpointed(False),

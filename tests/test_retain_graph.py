@@ -277,6 +277,42 @@ def test_regather_keeps_stock_memory_and_pin_keeps_params():
     del out, stock_out
 
 
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_stage3_param_saved_through_a_raw_alias(policy):
+    """A saved tensor that shares a gathered param's memory without being an autograd view of
+    it (``p.data[:]``) is found by address, where the pre-forward hooks noted the param's
+    data: it is tracked as the param (pinned under "pin", a handle under "regather"), and two
+    backwards match torch."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine, reference, ref_opt = make_pair("raw_alias", 3)
+    zero_lifetime.install(engine, policy=policy)
+    gain = engine.module.gain
+    x = make_input("raw_alias", 0)
+
+    engine.module.alias = False  # a copy: nothing of gain's memory is saved
+    out = engine(x)
+    copy_handles = zero_lifetime.stats(engine)["live_handles"]
+    assert gain.ds_status == ZeroParamStatus.NOT_AVAILABLE  # released after the forward, as stock
+    del out
+    gc.collect()
+    engine.optimizer.zero_grad()
+
+    engine.module.alias = True
+    out = engine(x)
+    stats = zero_lifetime.stats(engine)
+    assert stats["live_handles"] == copy_handles + 1, (stats, copy_handles)
+    if policy == "pin":
+        assert gain.ds_status == ZeroParamStatus.AVAILABLE and stats["pinned_params"] > 0
+    two_backwards(engine, out, "engine", zero_grad=False)
+    engine.step()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
+    assert_weights_match(engine, reference)
+    del out
+    gc.collect()
+    assert released_state(engine) == ([], [])
+
+
 def test_pin_budget_falls_back_to_regather():
     engine, reference, ref_opt = make_pair("mlp_norm", 3)
     saved = params_saved_by_forward("mlp_norm", engine.module)
