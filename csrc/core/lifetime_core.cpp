@@ -177,6 +177,16 @@ void LifetimeCore::set_range(int64_t id, uintptr_t start, int64_t nbytes) {
     throw std::invalid_argument("zero_lifetime: address range of param id " +
                                 std::to_string(id) + " wraps around");
   }
+  if (nbytes > 0) {
+    // The common case: the param was gathered to where it lived before (the caching
+    // allocators hand the same blocks back). Nothing to move in the registry then, and
+    // this runs for every gathered param on every forward.
+    const auto known = range_start_.find(id);
+    if (known != range_start_.end() && known->second == start) {
+      const auto registered = ranges_.find(start);
+      if (registered != ranges_.end() && registered->second.end == end && registered->second.id == id) return;
+    }
+  }
   clear_range_locked(id);
   if (nbytes <= 0) return;
   // Drop stale ranges overlapping [start, end): the first candidate is the range that

@@ -216,6 +216,14 @@ void test_ranges() {
   core.set_range(1, 0x5000, 0x10);  // re-gathered elsewhere: old range gone
   CHECK_EQ(core.lookup(0x1000), -1);
   CHECK_EQ(core.lookup(0x5008), 1);
+  core.set_range(1, 0x5000, 0x10);  // gathered to the same place again: nothing moves
+  CHECK_EQ(core.lookup(0x5008), 1);
+  CHECK_EQ(core.lookup(0x5010), -1);
+  core.set_range(1, 0x5000, 0x20);  // same start, longer: the end moves
+  CHECK_EQ(core.lookup(0x5018), 1);
+  core.set_range(1, 0x5000, 0x10);  // and back
+  CHECK_EQ(core.lookup(0x5018), -1);
+  CHECK_EQ(core.lookup(0x500f), 1);
 
   // A stale range (id 2 never cleared) overlapped by new memory is evicted.
   core.set_range(3, 0x10f0, 0x20);
