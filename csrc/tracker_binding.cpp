@@ -194,6 +194,28 @@ void Tracker::note_gathered(py::handle param) {
   core_.set_range(id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
 }
 
+void Tracker::note_gathered_all(py::handle params) {
+  const py::object items =
+      py::reinterpret_steal<py::object>(PySequence_Fast(params.ptr(), "note_gathered_all expects a sequence of params"));
+  if (!items) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+  PyObject** values = PySequence_Fast_ITEMS(items.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const py::handle param(values[i]);
+    TORCH_CHECK_TYPE(THPVariable_Check(param.ptr()), "note_gathered_all expects params, got ",
+                     Py_TYPE(param.ptr())->tp_name);
+    // The registry by TensorImpl first: no attribute lookup (set_data keeps the impl).
+    const auto known = id_by_impl_.find(tensor_of(param).unsafeGetTensorImpl());
+    const int64_t id = known != id_by_impl_.end() ? known->second : registered_id(param);
+    const ParamEntry& entry = params_.at(id);
+    const py::object owner = entry.param;  // copied out: the status lookup runs Python
+    const int64_t full_numel = entry.numel;
+    const at::Tensor& p = tensor_of(owner);
+    if (needs_gather(owner, full_numel, p)) continue;  // released or in flight
+    core_.set_range(id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+  }
+}
+
 void Tracker::note_released(py::handle param) { core_.clear_range(registered_id(param)); }
 
 const Tracker::ParamEntry* Tracker::resolve(const at::Tensor& t, int64_t& id) const {
@@ -284,11 +306,20 @@ PyObject* tracker_unpack(PyObject* self, PyObject* obj) {
       [&] { return py::cast<Tracker&>(py::handle(self)).unpack(obj).release().ptr(); });
 }
 
+PyObject* tracker_note_gathered_all(PyObject* self, PyObject* params) {
+  return translate_exceptions([&] {
+    py::cast<Tracker&>(py::handle(self)).note_gathered_all(params);
+    return py::none().release().ptr();
+  });
+}
+
 PyMethodDef hot_path_methods[] = {
     {"pack", tracker_pack, METH_O,
      "pack(tensor) -> SavedParam | Tensor: saved_tensors_hooks pack hook"},
     {"unpack", tracker_unpack, METH_O,
      "unpack(obj) -> Tensor: saved_tensors_hooks unpack hook"},
+    {"note_gathered_all", tracker_note_gathered_all, METH_O,
+     "note_gathered_all(params): note_gathered(p) for each p that is gathered now"},
 };
 }  // namespace
 

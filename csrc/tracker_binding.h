@@ -43,6 +43,9 @@ class __attribute__((visibility("hidden"))) Tracker {
   void register_param(py::handle param);
   void unregister_all();
   void note_gathered(py::handle param);
+  // note_gathered for each param of a sequence that is gathered now (what unpack would not
+  // gather): one call per module forward instead of one per param.
+  void note_gathered_all(py::handle params);
   void note_released(py::handle param);
 
   // Hot path. `self` is this tracker's Python object: handles keep it alive.

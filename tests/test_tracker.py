@@ -322,6 +322,32 @@ def test_pack_leaves_non_params_alone(Tracker):
     assert tr.stats()["live_handles"] == 0
 
 
+def test_note_gathered_all_notes_only_gathered_params(Tracker):
+    """One call per module: each param that is gathered now gets its range; released or
+    in-flight ones (status not available, or no data) do not."""
+    tr = Tracker("regather", -1)
+    tr.set_available_status(Status.AVAILABLE)
+    gathered = make_param(0, torch.arange(6, dtype=torch.float32))
+    in_flight = make_param(1, torch.arange(6, dtype=torch.float32))
+    released = make_param(2, torch.arange(6, dtype=torch.float32))
+    for p in (gathered, in_flight, released):
+        tr.register_param(p)
+    in_flight.ds_status = Status.INFLIGHT  # data present, but not yet what unpack may read
+    released.data = torch.empty(0)  # status says available, but there is no data
+    tr.note_gathered_all((gathered, in_flight, released))
+    handle = tr.pack(gathered.data[2:])
+    assert handle.ds_id == gathered.ds_id
+    alias = in_flight.data[2:]
+    assert tr.pack(alias) is alias
+    assert tr.refcount(gathered) == 1 and tr.refcount(in_flight) == 0
+    del handle
+    tr.note_gathered_all([])  # nothing to do
+    with pytest.raises(ValueError, match="not registered"):
+        tr.note_gathered_all([make_param(9, torch.zeros(2))])
+    with pytest.raises(TypeError):
+        tr.note_gathered_all([gathered, "not a param"])
+
+
 def test_detached_views_found_by_address(Tracker):
     values = torch.arange(24, dtype=torch.float32)
     p = make_param(0, values.view(4, 6))

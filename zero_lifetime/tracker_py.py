@@ -167,6 +167,19 @@ class Tracker:
         with self._lock:
             self._set_range_locked(ds_id, p.data_ptr(), p.numel() * p.element_size())
 
+    def note_gathered_all(self, params) -> None:
+        """note_gathered(p) for each p of ``params`` that is gathered now (unpack would not gather it)."""
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"note_gathered_all expects params, got {type(p).__name__}")
+            ds_id = self._known_id(p)
+            if not self._needs_gather(self._params[ds_id], ds_id):
+                self.note_gathered(p)
+
+    def _needs_gather(self, p, ds_id: int) -> bool:
+        return (self._status_check and p.ds_status != self._available_status) or (
+            p.numel() == 0 and self._numel[ds_id] > 0)
+
     def note_released(self, p) -> None:
         ds_id = self._known_id(p)
         with self._lock:
@@ -273,8 +286,7 @@ class Tracker:
                 "was unregistered (unregister_all) before backward used it")
         ds_id = obj.ds_id
         p = self._params[ds_id]
-        if (self._status_check and p.ds_status != self._available_status) or (
-                p.numel() == 0 and self._numel[ds_id] > 0):
+        if self._needs_gather(p, ds_id):
             if self._gather is None:
                 raise RuntimeError(
                     f"zero_lifetime: param ds_id={ds_id} is released and no gather callback is set")

@@ -48,14 +48,12 @@ class Zero3Lifetime:
         return torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
 
     def _note_gathered_hook(self, params):
-        note_gathered, available = self.tracker.note_gathered, Zero3Params.AVAILABLE
+        note_gathered_all = self.tracker.note_gathered_all
 
         def note_gathered_before_forward(_module, _inputs):
             # Record where each gathered param lives, so a saved tensor that shares its
             # storage without being an autograd view of it is still recognised.
-            for param in params:
-                if param.ds_status == available:
-                    note_gathered(param)
+            note_gathered_all(params)
 
         return note_gathered_before_forward
 
