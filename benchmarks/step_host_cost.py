@@ -15,6 +15,9 @@ microseconds (stock steps of one run vary by milliseconds), so this times the pa
    each backward, the module counters kept after each forward. For each, the way used up to
    commit fcef173 (re-created here: ``parameters()`` walked on every call) next to the
    current one.
+3. The same pre-forward hooks inside real training steps: a timer around every call. Caches
+   are cold there (a whole backward ran since the last forward), so a call costs several
+   times what it costs in the loop of part 2.
 
 Rounds interleave every variant; medians reported. Single-threaded (``torch.set_num_threads(1)``).
 """
@@ -127,6 +130,49 @@ def walk_rows(rounds: int):
     engine.destroy()
 
 
+def hooks_in_steps(steps: int):
+    import torch
+
+    import zero_lifetime
+    from zero_lifetime import zero3_lifetime
+    from zero_lifetime.bench.engines import TinyTransformer, make_engine, quiet_deepspeed
+    from zero_lifetime.bench.step import single_backward_step
+
+    quiet_deepspeed()
+    spent = [0, 0]
+    make_hook = zero3_lifetime.Zero3Lifetime._note_gathered_hook
+
+    def timed_hook(self, params):
+        hook = make_hook(self, params)
+
+        def timed(module, inputs):
+            start = time.perf_counter_ns()
+            hook(module, inputs)
+            spent[0] += time.perf_counter_ns() - start
+            spent[1] += 1
+
+        return timed
+
+    zero3_lifetime.Zero3Lifetime._note_gathered_hook = timed_hook
+    try:
+        engine = make_engine(TinyTransformer(4, 32), 3)
+        zero_lifetime.install(engine)
+    finally:
+        zero3_lifetime.Zero3Lifetime._note_gathered_hook = make_hook
+    tokens = torch.randint(0, 512, (8, 8))
+    for _ in range(5):
+        single_backward_step(engine, tokens)
+    spent[:] = [0, 0]
+    start = time.perf_counter()
+    for _ in range(steps):
+        single_backward_step(engine, tokens)
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    print(f"3. pre-forward hooks inside {steps} real steps (step {step_ms:.1f} ms): "
+          f"{spent[0] / steps / 1e3:.1f} us per step, {spent[1] // steps} calls, "
+          f"{spent[0] / max(spent[1], 1) / 1e3:.2f} us per call")
+    engine.destroy()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=150)
@@ -138,6 +184,7 @@ def main():
     torch.set_num_threads(1)
     saved_hook_rows(args.rounds)
     walk_rows(max(3, args.rounds // 20))
+    hooks_in_steps(max(20, args.rounds))
 
 
 if __name__ == "__main__":
