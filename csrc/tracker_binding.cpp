@@ -182,16 +182,25 @@ void Tracker::unregister_all() {
 }
 
 int64_t Tracker::registered_id(py::handle param) const {
+  // By TensorImpl first, without an attribute lookup: the registered param object itself
+  // (set_data keeps its impl). Anything else goes by its ds_id.
+  if (THPVariable_Check(param.ptr())) {
+    const auto known = id_by_impl_.find(tensor_of(param).unsafeGetTensorImpl());
+    if (known != id_by_impl_.end()) return known->second;
+  }
   const auto id = py::cast<int64_t>(param.attr("ds_id"));
   TORCH_CHECK_VALUE(params_.count(id) != 0, "zero_lifetime: param ds_id=", id,
                     " is not registered");
   return id;
 }
 
+void Tracker::set_range_to_current_data(int64_t id, const at::Tensor& p) {
+  core_.set_range(id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+}
+
 void Tracker::note_gathered(py::handle param) {
   const int64_t id = registered_id(param);
-  const at::Tensor& p = tensor_of(params_.at(id).param);
-  core_.set_range(id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+  set_range_to_current_data(id, tensor_of(params_.at(id).param));
 }
 
 void Tracker::note_gathered_all(py::handle params) {
@@ -204,15 +213,13 @@ void Tracker::note_gathered_all(py::handle params) {
     const py::handle param(values[i]);
     TORCH_CHECK_TYPE(THPVariable_Check(param.ptr()), "note_gathered_all expects params, got ",
                      Py_TYPE(param.ptr())->tp_name);
-    // The registry by TensorImpl first: no attribute lookup (set_data keeps the impl).
-    const auto known = id_by_impl_.find(tensor_of(param).unsafeGetTensorImpl());
-    const int64_t id = known != id_by_impl_.end() ? known->second : registered_id(param);
+    const int64_t id = registered_id(param);
     const ParamEntry& entry = params_.at(id);
     const py::object owner = entry.param;  // copied out: the status lookup runs Python
     const int64_t full_numel = entry.numel;
     const at::Tensor& p = tensor_of(owner);
     if (needs_gather(owner, full_numel, p)) continue;  // released or in flight
-    core_.set_range(id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+    set_range_to_current_data(id, p);
   }
 }
 
@@ -408,8 +415,7 @@ py::object Tracker::unpack(py::handle obj) {
     TORCH_CHECK(p.numel() == full_numel, "zero_lifetime: gather(p) did not make param ds_id=",
                 h->id, " available (numel ", p.numel(), ", expected ds_numel ", full_numel, ")");
     core_.note_regather(h->id);
-    // The gathered data may live at a new address.
-    core_.set_range(h->id, reinterpret_cast<uintptr_t>(p.const_data_ptr()), nbytes_of(p));
+    set_range_to_current_data(h->id, p);  // the gathered data may live at a new address
   }
   // A plain, grad-less view of the current data: autograd re-attaches the grad metadata
   // it recorded at pack time.

@@ -75,6 +75,7 @@ class __attribute__((visibility("hidden"))) Tracker {
   };
 
   int64_t registered_id(py::handle param) const;  // ds_id of a registered param or ValueError
+  void set_range_to_current_data(int64_t id, const at::Tensor& param_data);
   const ParamEntry* resolve(const at::Tensor& t, int64_t& id) const;
   const ParamEntry* resolve_by_address(const at::Tensor& t, int64_t& id) const;
   bool needs_gather(py::handle param, int64_t full_numel, const at::Tensor& data) const;
