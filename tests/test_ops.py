@@ -537,6 +537,52 @@ def test_streaming_store_threshold_is_settable_and_checked():
         ops.set_streaming_store_threshold(default)
 
 
+def _sysfs_cache(root, index, level, kind, size):
+    entry = root / "cache" / f"index{index}"
+    entry.mkdir(parents=True)
+    for name, value in (("level", level), ("type", kind), ("size", size)):
+        (entry / name).write_text(f"{value}\n")
+
+
+def test_last_level_cache_bytes_reads_a_sysfs_tree(tmp_path):
+    _native_ops("cpu")
+    read = ops._compiled_module("last_level_cache_bytes").last_level_cache_bytes
+    epyc = tmp_path / "epyc"
+    for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"),
+                                                 (2, "Unified", "512K"), (3, "Unified", "32768K")]):
+        _sysfs_cache(epyc, index, level, kind, size)
+    assert read(str(epyc)) == 32 << 20
+    # An instruction cache above the data caches holds no copy; sizes may be in M or bytes.
+    odd = tmp_path / "odd"
+    _sysfs_cache(odd, 0, 2, "Data", "1048576")
+    _sysfs_cache(odd, 1, 3, "Data", "8M")
+    _sysfs_cache(odd, 2, 4, "Instruction", "64M")
+    assert read(str(odd)) == 8 << 20
+    # Unreadable sizes are skipped, not taken as 0 or as bytes.
+    broken = tmp_path / "broken"
+    _sysfs_cache(broken, 0, 2, "Unified", "2M")
+    _sysfs_cache(broken, 1, 3, "Unified", "lots")
+    assert read(str(broken)) == 2 << 20
+    assert read(str(tmp_path / "missing")) == 0
+
+
+def test_streaming_store_threshold_defaults_to_the_last_level_cache(tmp_path):
+    _native_ops("cpu")
+    default_for = ops._compiled_module("default_streaming_store_threshold").default_streaming_store_threshold
+    big, small = tmp_path / "big", tmp_path / "small"
+    _sysfs_cache(big, 0, 2, "Unified", "2M")
+    _sysfs_cache(big, 1, 3, "Unified", "98304K")
+    _sysfs_cache(small, 0, 3, "Unified", "512K")  # under 1 MiB: not believed
+    assert default_for(str(big)) == 96 << 20
+    assert default_for(str(small)) == 32 << 20
+    assert default_for(str(tmp_path / "missing")) == 32 << 20
+    # A fresh process starts with what this machine's sysfs gives.
+    code = "from zero_lifetime import ops; print(ops.streaming_store_threshold())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) == default_for("/sys/devices/system/cpu/cpu0")
+
+
 def test_streaming_store_threshold_needs_the_compiled_ops(monkeypatch):
     monkeypatch.setenv("ZERO_LIFETIME_FORCE_PYTHON", "1")
     with pytest.raises(RuntimeError, match="compiled CPU ops are not loaded"):
@@ -549,10 +595,21 @@ def test_destinations_past_the_streaming_threshold(src_dtype, dst_dtype):
     """The default CPU path of big buckets and gathers (non-temporal stores): the reference's
     bits, with sources and shards of odd lengths, so every store alignment and tail occurs."""
     _native_ops("cpu")
+    # The default threshold is the machine's last-level cache (up to hundreds of MB): a
+    # fixed one keeps the test small; the streaming path is the same code.
+    threshold = 4 << 20
+    previous = ops.set_streaming_store_threshold(threshold)
+    try:
+        _check_streaming_stores(src_dtype, dst_dtype, threshold)
+    finally:
+        ops.set_streaming_store_threshold(previous)
+
+
+def _check_streaming_stores(src_dtype, dst_dtype, threshold):
     itemsize = torch.empty(0, dtype=dst_dtype).element_size()
     rng = random.Random(7)
     sizes, total = [], 0
-    while total * itemsize < ops.streaming_store_threshold() + 4096:
+    while total * itemsize < threshold + 4096:
         sizes.append(rng.choice((1, 3, 8, 13, 100, 1023, 4097, 65537)))
         total += sizes[-1]
     tensors = [torch.randn(n).to(src_dtype) for n in sizes]

@@ -150,7 +150,9 @@ def streaming_store_threshold() -> int:
     """Destination bytes from which the compiled CPU ops write with non-temporal stores.
 
     Those skip reading each destination cache line before overwriting it: faster for copies
-    larger than the CPU's cache, slower for ones the next op would read from the cache."""
+    larger than the CPU's cache, slower for ones the next op would read from the cache. The
+    default is the size of the CPU's last-level cache (Linux sysfs, cpu0), 32 MiB where it
+    cannot be read."""
     return _compiled_module("streaming_store_threshold").streaming_store_threshold()
 
 

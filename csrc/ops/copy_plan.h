@@ -8,6 +8,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace zero_lifetime::ops {
@@ -66,9 +67,12 @@ CopyPlan plan_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
 void run_plan_cpu(const CopyPlan& plan);
 
 // CPU plans whose destination holds at least this many bytes use non-temporal stores (x86-64
-// builds; elsewhere never). The setter returns the previous value.
+// builds; elsewhere never). Default: the last-level cache's size (Linux sysfs, cpu0), 32 MiB
+// where it cannot be read. The setter returns the previous value.
 int64_t streaming_store_threshold();
 int64_t set_streaming_store_threshold(int64_t bytes);
+// The default for a machine whose sysfs cpu directory is `cpu_dir`.
+int64_t default_streaming_store_threshold(const std::string& cpu_dir);
 
 // Runs a plan on the current CUDA stream of dst's device. Set by copy_plan_cuda.cu when it
 // is compiled in (a registration, not a symbol: CPU-only builds must link without it), so

@@ -1,6 +1,7 @@
 // CPU execution of a CopyPlan: one parallel_for over the plan's total element range, so
 // chunks cross segment boundaries and many small tensors cost no more than one big one.
 #include "ops/copy_plan.h"
+#include "ops/cache_size.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -32,8 +33,13 @@ constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
 // nothing in the cache for the next reader. On the CPU of docs/benchmarks.md (32 MiB L3) they
 // lost up to 16 MiB (1.1-2.1x the time of cached stores) and won from 32 MiB (0.8-0.9x; with
 // a read of the whole destination after it, 0.9-1.1x at 32 MiB and 0.9x at 64 MiB):
-// benchmarks/streaming_threshold.py.
-std::atomic<int64_t> streaming_threshold_bytes{int64_t{32} << 20};
+// benchmarks/streaming_threshold.py. So the default is the last-level cache's size, as
+// glibc's memcpy also derives its non-temporal threshold from it; 32 MiB where unknown.
+constexpr int64_t kFallbackStreamingThreshold = int64_t{32} << 20;
+constexpr int64_t kSmallestCredibleCache = int64_t{1} << 20;  // below: a misread, not a cache
+
+std::atomic<int64_t> streaming_threshold_bytes{
+    default_streaming_store_threshold("/sys/devices/system/cpu/cpu0")};
 
 // Scalar conversion, same rounding as the vector paths and as torch's copy_ (nearest even).
 template <typename Src, typename Dst>
@@ -228,6 +234,11 @@ void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan
 }
 
 }  // namespace
+
+int64_t default_streaming_store_threshold(const std::string& cpu_dir) {
+  const int64_t cache = last_level_cache_bytes(cpu_dir);
+  return cache >= kSmallestCredibleCache ? cache : kFallbackStreamingThreshold;
+}
 
 void run_plan_cpu(const CopyPlan& plan) {
   if (plan.total_numel == 0) return;

@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include "ops/cache_size.h"
 #include "ops/copy_plan.h"
 #include "ops/cpu_buffer_cache.h"
 #include "ops/fast_path.h"
@@ -163,6 +164,10 @@ void add_fast_path_bindings(py::module& m) {
         "Destination bytes from which CPU fused copies use non-temporal stores");
   m.def("set_streaming_store_threshold", &set_streaming_store_threshold, py::arg("nbytes"),
         "Set that threshold (0: always); returns the previous one");
+  m.def("last_level_cache_bytes", &last_level_cache_bytes, py::arg("cpu_dir"),
+        "Bytes of the highest-level data/unified cache under a sysfs cpu directory; 0 if unreadable");
+  m.def("default_streaming_store_threshold", &default_streaming_store_threshold, py::arg("cpu_dir"),
+        "The streaming store threshold a machine with this sysfs cpu directory starts with");
   m.def("cpu_gather_buffer", &cpu_gather_buffer, py::arg("numel"), py::arg("dtype"),
         "An uninitialized 1-D CPU buffer whose memory returns to the cache when its storage dies");
   m.def("cpu_buffer_cache_info", [] {
