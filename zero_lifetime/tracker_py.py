@@ -163,9 +163,7 @@ class Tracker:
     # ------------------------------------------------------------- address ranges
     def note_gathered(self, p) -> None:
         """Record where p's gathered data lives, so detached views of it are recognised."""
-        ds_id = self._known_id(p)
-        with self._lock:
-            self._set_range_locked(ds_id, p.data_ptr(), p.numel() * p.element_size())
+        self._set_range_to_current_data(self._known_id(p), p)
 
     def note_gathered_all(self, params) -> None:
         """note_gathered(p) for each p of ``params`` that is gathered now (unpack would not gather it)."""
@@ -174,7 +172,11 @@ class Tracker:
                 raise TypeError(f"note_gathered_all expects params, got {type(p).__name__}")
             ds_id = self._known_id(p)
             if not self._needs_gather(self._params[ds_id], ds_id):
-                self.note_gathered(p)
+                self._set_range_to_current_data(ds_id, p)
+
+    def _set_range_to_current_data(self, ds_id: int, p) -> None:
+        with self._lock:
+            self._set_range_locked(ds_id, p.data_ptr(), p.numel() * p.element_size())
 
     def _needs_gather(self, p, ds_id: int) -> bool:
         return (self._status_check and p.ds_status != self._available_status) or (
