@@ -163,7 +163,9 @@ class Tracker:
     # ------------------------------------------------------------- address ranges
     def note_gathered(self, p) -> None:
         """Record where p's gathered data lives, so detached views of it are recognised."""
-        self._set_range_to_current_data(self._known_id(p), p)
+        ds_id = self._known_id(p)
+        with self._lock:
+            self._set_range_to_data_locked(ds_id, p)
 
     def note_gathered_all(self, params) -> None:
         """note_gathered(p) for each p of ``params`` that is gathered now (unpack would not gather it)."""
@@ -172,11 +174,12 @@ class Tracker:
                 raise TypeError(f"note_gathered_all expects params, got {type(p).__name__}")
             ds_id = self._known_id(p)
             if not self._needs_gather(self._params[ds_id], ds_id):
-                self._set_range_to_current_data(ds_id, p)
+                with self._lock:
+                    self._set_range_to_data_locked(ds_id, p)
 
-    def _set_range_to_current_data(self, ds_id: int, p) -> None:
-        with self._lock:
-            self._set_range_locked(ds_id, p.data_ptr(), p.numel() * p.element_size())
+    def _set_range_to_data_locked(self, ds_id: int, p) -> None:
+        """Register p's current data as the address range of param ds_id."""
+        self._set_range_locked(ds_id, p.data_ptr(), p.numel() * p.element_size())
 
     def _needs_gather(self, p, ds_id: int) -> bool:
         return (self._status_check and p.ds_status != self._available_status) or (
@@ -299,8 +302,7 @@ class Tracker:
                     f"(numel {p.numel()}, expected ds_numel {self._numel[ds_id]})")
             with self._lock:
                 self._regathers += 1
-                # The gathered data may live at a new address.
-                self._set_range_locked(ds_id, p.data_ptr(), p.numel() * p.element_size())
+                self._set_range_to_data_locked(ds_id, p)  # the gathered data may live at a new address
         data = p.data  # detached alias: the result must be a plain view, autograd re-attaches grad info
         return data.as_strided(obj._sizes, obj._strides, data.storage_offset() + obj._delta)
 
