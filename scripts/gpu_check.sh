@@ -4,7 +4,8 @@
 #   setup     install carried wheels (./.whl, if any: DeepSpeed and its pure-Python deps),
 #             build zero_lifetime._C with the CUDA kernels in place
 #   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
-#   sanitize  the CUDA kernels under compute-sanitizer memcheck and racecheck
+#   sanitize  the CUDA kernels under compute-sanitizer: each kernel path once under memcheck,
+#             racecheck, initcheck and synccheck, then the CUDA op tests under memcheck
 #   bench     python -m zero_lifetime.bench all --device cuda, the kernel bench, and where
 #             the time of one fused-op call goes (benchmarks/profile_ops.py)
 # Logs, JSON and plots go to $OUT (default ./gpu-out).
@@ -45,11 +46,17 @@ for phase in "$@"; do
     sanitize)
       # No caching allocator: every tensor is its own allocation, so memcheck sees an
       # overrun past a tensor's end instead of into a neighbour inside a cached block.
-      for tool in memcheck racecheck; do
-        run "sanitize_$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=150 compute-sanitizer \
-          --tool "$tool" --error-exitcode 99 python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py \
-          -k cuda -q -p no:cacheprovider
+      # First each kernel path once (tests/kernel_paths.py, seconds) under every tool:
+      # racecheck looks at shared memory only, which these kernels do not use, so a clean
+      # run says just that; initcheck and synccheck cover reads of unwritten memory and
+      # barriers. Then memcheck over the op tests and the CUDA fuzz (minutes).
+      for tool in memcheck racecheck initcheck synccheck; do
+        run "sanitize_paths_$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer \
+          --tool "$tool" --error-exitcode 99 python3 tests/kernel_paths.py --device cuda
       done
+      run sanitize_memcheck_tests env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=150 timeout 400 \
+        compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest tests/test_ops.py \
+        tests/test_ops_fuzz.py -k cuda -q -p no:cacheprovider
       ;;
     bench)
       run bench python3 -m zero_lifetime.bench all --device cuda --repeats 15 --json "$OUT/bench_cuda.json" \

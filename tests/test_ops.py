@@ -430,6 +430,34 @@ def test_segment_counts_around_the_inline_limit(device, count, route):
     assert_same(out, deepspeed_unshard(gathered, shard_numels, numels, world, torch.float32))
 
 
+# tests/kernel_paths.py is what compute-sanitizer runs on a GPU (scripts/gpu_check.sh); it
+# must hold here too, and it must notice a wrong result, or a clean sanitizer run says little.
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_kernel_path_matches_torch(device):
+    _native_ops(device)
+    import kernel_paths
+    results = kernel_paths.check_all(device)
+    assert len(results) == 35
+    assert [name for name, same in results if not same] == []
+
+
+def test_kernel_paths_report_a_wrong_result(monkeypatch):
+    _native_ops("cpu")
+    import kernel_paths
+    fill = ops.bucket_fill
+    monkeypatch.setattr(ops, "bucket_fill", lambda buffer, tensors, offsets, scale=1.0:
+                        fill(buffer, tensors[:-1], offsets[:-1], scale))  # drops the last source
+    gather = ops.gather_copy_out
+    monkeypatch.setattr(ops, "gather_copy_out", lambda gathered, out, shard_numels, numels, world_size:
+                        gather(gathered, out, shard_numels, numels, world_size) or out[:1].fill_(0))
+    failed = [name for name, same in kernel_paths.check_all("cpu") if not same]
+    # Every gather, and every fill whose last source is not empty: all but the 18 aligned
+    # and the 2 unaligned-source fills, whose last source is.
+    assert "fill inline grid-stride" in failed and "gather table world 2" in failed
+    assert not any(name.startswith(("fill inline aligned", "fill inline unaligned sources")) for name in failed)
+    assert len(failed) == 35 - 20
+
+
 GATHER_ERRORS = [
     ("gathered must be a 1-D contiguous", lambda: (torch.zeros(2, 4), torch.zeros(8), [4], [8], 2)),
     ("out must be a 1-D contiguous", lambda: (torch.zeros(8), torch.zeros(16)[::2], [4], [8], 2)),
