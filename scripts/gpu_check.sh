@@ -3,6 +3,8 @@
 # which has no GPU). Phases, in the order given on the command line:
 #   setup     install carried wheels (./.whl, if any: DeepSpeed and its pure-Python deps),
 #             build zero_lifetime._C with the CUDA kernels in place
+#   tests_cuda  only what runs on the GPU: the CUDA op tests and fuzz, the CUDA engine
+#             scenarios, each kernel path once (minutes; CI runs everything else)
 #   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
 #   sanitize  the CUDA kernels under compute-sanitizer: each kernel path once under memcheck,
 #             racecheck, initcheck and synccheck, then the CUDA op tests under memcheck
@@ -10,6 +12,8 @@
 #             the time of one fused-op call goes (benchmarks/profile_ops.py)
 # Logs, JSON and plots go to $OUT (default ./gpu-out).
 # Example: bash scripts/gpu_check.sh setup tests sanitize bench
+# Within 10-minute device calls: `setup tests_cuda sanitize`, then `setup bench` (a later
+# call may find a fresh machine), then `setup tests` if device time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -40,6 +44,11 @@ for phase in "$@"; do
       run build python3 setup.py build_ext --inplace
       run env_report python3 -m zero_lifetime.env_report
       ;;
+    tests_cuda)
+      run kernel_paths python3 tests/kernel_paths.py --device cuda
+      run pytest_cuda python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py tests/test_native_link.py \
+        tests/test_cuda_engine.py -k cuda -q -p no:cacheprovider -rs -s --durations=10
+      ;;
     tests)
       run pytest python3 -m pytest tests -q -p no:cacheprovider -rs -s --durations=15
       ;;
@@ -66,7 +75,7 @@ for phase in "$@"; do
       # The host's share of install's step overhead (saved-tensor hooks, per-step walks) on this machine's CPU.
       run step_host_cost python3 benchmarks/step_host_cost.py --rounds 60
       ;;
-    *) echo "unknown phase: $phase (setup, tests, sanitize, bench)"; exit 2 ;;
+    *) echo "unknown phase: $phase (setup, tests_cuda, tests, sanitize, bench)"; exit 2 ;;
   esac
 done
 exit $status
