@@ -74,3 +74,46 @@ def test_jit_load_fails_fast_on_a_stale_lock(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "STALE" in done.stdout and f"rm {tmp_path}" in done.stdout, done.stdout
+
+
+def test_the_lock_kind_is_what_torch_locks_its_builds_with():
+    """FileBaton (a file that exists while a build runs) up to torch 2.14; an advisory lock
+    on a file that stays, from torch 2.15. Told apart by what _jit_compile calls."""
+    import inspect
+    from types import SimpleNamespace
+
+    from torch.utils import cpp_extension
+
+    from zero_lifetime._native import torch_build_lock_is_a_file_baton
+
+    assert torch_build_lock_is_a_file_baton(SimpleNamespace(FileBaton=object))
+    assert not torch_build_lock_is_a_file_baton(SimpleNamespace(FileLock=object))
+    assert torch_build_lock_is_a_file_baton() == ("FileBaton(" in inspect.getsource(cpp_extension._jit_compile))
+
+
+def test_jit_load_ignores_the_lock_file_an_advisory_lock_leaves(tmp_path):
+    """torch >= 2.15 leaves <build_dir>/lock after every build: a later run must go straight
+    to torch's load (which takes the advisory lock itself), not wait out the timeout.
+    Here torch 2.15 is imitated (no FileBaton) and its load replaced, to see what is called."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="5")
+    code = textwrap.dedent("""
+        import os, time
+        from torch.utils import cpp_extension
+        from zero_lifetime import _native
+        if hasattr(cpp_extension, "FileBaton"):
+            del cpp_extension.FileBaton
+        cpp_extension.load = lambda **kwargs: "LOADED " + kwargs["build_directory"]
+        build_dir = _native.build_directory()
+        build_dir.mkdir(parents=True)
+        lock = build_dir / "lock"
+        lock.write_text("")
+        old = time.time() - 3600
+        for path in (lock, build_dir):
+            os.utime(path, (old, old))
+        started = time.monotonic()
+        print(_native.jit_load(), round(time.monotonic() - started, 3))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, seconds = done.stdout.split()[-2:]
+    assert loaded.startswith(str(tmp_path)) and float(seconds) < 1.0, done.stdout

@@ -637,6 +637,37 @@ def test_two_processes_jit_build_once(tmp_path):
     if _native.cuda_build_enabled():
         expected += [Path(s).stem + ".cuda.o" for s in _native.CUDA_SOURCES]
     assert sorted(o for o in outputs_built if o.endswith(".o")) == sorted(expected)
+    # A later run loads the cached build. From torch 2.15 <build_dir>/lock stays after every
+    # build (an advisory lock's file): taken for a held lock, it would be waited on until the
+    # timeout and then reported as stale.
+    later = _run_python(code, dict(env, ZERO_LIFETIME_JIT_LOCK_TIMEOUT="20"))
+    out, err = later.communicate(timeout=300)
+    assert later.returncode == 0, err[-3000:]
+    assert f"SO {build_dir}" in out
+    assert (build_dir / ".ninja_log").read_text().count("\n") == len(log_lines) + 1  # nothing rebuilt
+
+
+def test_cuda_kernels_need_an_architecture(monkeypatch):
+    """A CUDA torch without a visible GPU and without TORCH_CUDA_ARCH_LIST has nothing to
+    compile the kernels for: the JIT build leaves them out, and a prebuilt module built
+    with them (on a GPU machine, same sources and torch) is still accepted."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _native.cuda_arch_unknown()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert not _native.cuda_arch_unknown()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert not _native.cuda_arch_unknown()
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(_native, "cuda_toolchain_found", lambda: True)  # as with a CUDA torch and nvcc
+    assert not _native.cuda_build_enabled()
+    assert _native.build_hash() == _native.build_hash(with_cuda=False) != _native.build_hash(with_cuda=True)
+    assert _native._prebuilt_hashes() == [f"zlh_{_native.build_hash()}", f"zlh_{_native.build_hash(with_cuda=True)}"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _native.cuda_build_enabled()
+    assert _native._prebuilt_hashes() == [f"zlh_{_native.build_hash(with_cuda=True)}"]
 
 
 def test_build_failure_falls_back_with_one_warning(tmp_path):

@@ -82,9 +82,13 @@ SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh", ".txt")
 extra_cuda_cflags: List[str] = ["-O3"]
 
 
-def cuda_build_enabled() -> bool:
-    """Whether the CUDA kernels are compiled in: torch is a CUDA build and the CUDA
-    toolkit (CUDA_HOME, nvcc) is found. A CPU build simply lacks the CUDA kernels."""
+CUDA_ARCH_UNKNOWN = ("a CUDA build of torch sees no GPU and TORCH_CUDA_ARCH_LIST is unset, so there is "
+                     "no GPU architecture to compile the CUDA kernels for")
+
+
+def cuda_toolchain_found() -> bool:
+    """torch is a CUDA build, the CUDA toolkit (CUDA_HOME, nvcc) is found, and the kernels
+    are not switched off (ZERO_LIFETIME_BUILD_CUDA=0)."""
     if not CUDA_SOURCES or os.environ.get("ZERO_LIFETIME_BUILD_CUDA", "1") == "0":
         return False
     try:
@@ -95,6 +99,27 @@ def cuda_build_enabled() -> bool:
         from torch.utils import cpp_extension
 
         return cpp_extension.CUDA_HOME is not None
+    except Exception:  # noqa: BLE001 - no torch: nothing to build against anyway
+        return False
+
+
+def cuda_arch_unknown() -> bool:
+    """No GPU visible and TORCH_CUDA_ARCH_LIST unset: torch's build picks the architectures
+    of the visible GPUs, and with none its cpp_extension fails (an IndexError)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return False
+    import torch
+
+    return torch.cuda.device_count() == 0
+
+
+def cuda_build_enabled() -> bool:
+    """Whether the CUDA kernels are compiled in: :func:`cuda_toolchain_found`, and an
+    architecture to compile for. A CPU build simply lacks the CUDA kernels; a JIT build on
+    a machine without a GPU needs none (setup.py refuses that case instead: a wheel built
+    there is meant for GPUs)."""
+    try:
+        return cuda_toolchain_found() and not cuda_arch_unknown()
     except Exception:  # noqa: BLE001 - no torch: nothing to build against anyway
         return False
 
@@ -120,7 +145,7 @@ def _torch_version() -> str:
         return "no-torch"
 
 
-def build_hash() -> str:
+def build_hash(with_cuda: Optional[bool] = None) -> str:
     """Hash of every file in csrc (headers included), flags, torch and Python versions.
 
     Names the JIT build directory and is compiled into the module, so a prebuilt module
@@ -136,7 +161,7 @@ def build_hash() -> str:
                 except OSError:
                     h.update(b"<unreadable>")
     h.update(" ".join(extra_cflags + extra_ldflags).encode())
-    if cuda_build_enabled():  # the same torch can give a build with or without kernels
+    if cuda_build_enabled() if with_cuda is None else with_cuda:  # the same torch builds with or without kernels
         h.update(("cuda " + " ".join(extra_cuda_cflags)).encode())
     h.update(_torch_version().encode())
     h.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
@@ -174,6 +199,19 @@ def force_python() -> bool:
     return os.environ.get(FORCE_PYTHON_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _prebuilt_hashes() -> List[str]:
+    """The build hashes a prebuilt module may have: this machine's, and where only the lack
+    of a GPU leaves the CUDA kernels out of a build here, also that of a build with them
+    (a module built on a GPU machine with the same torch serves the CPU kernels as well)."""
+    hashes = [f"zlh_{build_hash()}"]
+    try:
+        if cuda_toolchain_found() and cuda_arch_unknown():
+            hashes.append(f"zlh_{build_hash(with_cuda=True)}")
+    except Exception:  # noqa: BLE001 - no torch: the first hash says it all
+        pass
+    return hashes
+
+
 def _prebuilt_is_stale() -> Optional[str]:
     """Why the prebuilt module must not even be imported, read from its file.
 
@@ -192,7 +230,7 @@ def _prebuilt_is_stale() -> Optional[str]:
         data = Path(spec.origin).read_bytes()
     except OSError as e:
         return f"prebuilt zero_lifetime._C unreadable: {e}"
-    if f"zlh_{build_hash()}".encode() not in data:
+    if not any(h.encode() in data for h in _prebuilt_hashes()):
         return (f"prebuilt zero_lifetime._C is stale (built from other sources, flags or "
                 f"torch than zlh_{build_hash()}); rebuilding with JIT")
     return None
@@ -214,12 +252,12 @@ def _load_prebuilt() -> Any:
     except Exception as e:  # noqa: BLE001 - e.g. undefined symbols after a torch upgrade
         _status["notes"].append(f"prebuilt zero_lifetime._C failed to import: {e}")
         return None
-    expected = f"zlh_{build_hash()}"
+    expected = _prebuilt_hashes()
     built = getattr(mod, "build_hash", "")
-    if CSRC_DIR is not None and built != expected:
+    if CSRC_DIR is not None and built not in expected:
         _status["notes"].append(
             f"prebuilt zero_lifetime._C is stale (build hash {built or 'none'}, sources "
-            f"{expected}); rebuilding with JIT")
+            f"{expected[0]}); rebuilding with JIT")
         return None
     return mod
 
@@ -256,13 +294,28 @@ def _newest_activity(build_dir: Path) -> float:
     return newest
 
 
+def torch_build_lock_is_a_file_baton(cpp_extension: Any = None) -> bool:
+    """Whether torch's JIT build lock is a FileBaton: ``<build_dir>/lock`` exists exactly while
+    a build holds it (torch up to 2.14).
+
+    torch 2.15 holds an OS advisory lock (filelock) on the same path instead: the file stays
+    after every build, and the kernel frees the lock of a builder that died. Waiting on that
+    file's existence would make every run after the first build wait out the timeout and
+    fall back to the Python tracker (seen with torch 2.15.0), and torch's own lock needs no help.
+    """
+    if cpp_extension is None:
+        from torch.utils import cpp_extension
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def wait_for_build_lock(build_dir: Path, timeout_s: Optional[float] = None, poll_s: float = 0.5) -> None:
     """Wait while another process builds in ``build_dir``; raise if its lock is stale.
 
-    torch's FileBaton waits for ever on ``<build_dir>/lock``, and a build killed half-way
-    (a rank killed by its launcher, Ctrl-C) leaves that file behind: every later run would
-    hang. A live build keeps writing objects; a lock with nothing written in the build
-    directory for ``timeout_s`` seconds is reported, with the command that clears it.
+    For torch's FileBaton only (:func:`torch_build_lock_is_a_file_baton`), which waits for
+    ever on ``<build_dir>/lock``: a build killed half-way (a rank killed by its launcher,
+    Ctrl-C) leaves that file behind, and every later run would hang. A live build keeps
+    writing objects; a lock with nothing written in the build directory for ``timeout_s``
+    seconds is reported, with the command that clears it.
     """
     if timeout_s is None:
         timeout_s = float(os.environ.get(JIT_LOCK_TIMEOUT_ENV, _DEFAULT_JIT_LOCK_TIMEOUT_S))
@@ -288,7 +341,10 @@ def jit_load(verbose: bool = False) -> Any:
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     _status["build_directory"] = str(build_dir)
-    wait_for_build_lock(build_dir)
+    if cuda_toolchain_found() and cuda_arch_unknown():
+        _status["notes"].append(f"CUDA kernels left out of the JIT build: {CUDA_ARCH_UNKNOWN}")
+    if torch_build_lock_is_a_file_baton(cpp_extension):
+        wait_for_build_lock(build_dir)
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=source_paths(),
