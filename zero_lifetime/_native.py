@@ -146,7 +146,8 @@ def _torch_version() -> str:
 
 
 def build_hash(with_cuda: Optional[bool] = None) -> str:
-    """Hash of every file in csrc (headers included), flags, torch and Python versions.
+    """Hash of every file in csrc (headers included), flags, torch and Python versions, and
+    whether the CUDA kernels are in (``with_cuda``; default: whether this machine builds them).
 
     Names the JIT build directory and is compiled into the module, so a prebuilt module
     built from other sources or for another torch is detected as stale.
@@ -161,7 +162,9 @@ def build_hash(with_cuda: Optional[bool] = None) -> str:
                 except OSError:
                     h.update(b"<unreadable>")
     h.update(" ".join(extra_cflags + extra_ldflags).encode())
-    if cuda_build_enabled() if with_cuda is None else with_cuda:  # the same torch builds with or without kernels
+    if with_cuda is None:
+        with_cuda = cuda_build_enabled()
+    if with_cuda:  # the same torch builds with or without the kernels
         h.update(("cuda " + " ".join(extra_cuda_cflags)).encode())
     h.update(_torch_version().encode())
     h.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
