@@ -8,7 +8,7 @@ import torch
 
 import zero_lifetime
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
-from harness import (BACKWARD_PATHS, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, reference_two_backwards,
+from harness import (BACKWARD_PATHS, DS_VERSION, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, reference_two_backwards,
                      released_state, two_backwards)
 
 STATS_KEYS = {"pinned_params", "pinned_bytes", "peak_pinned_bytes", "deferred_releases", "regathers"}
@@ -96,6 +96,40 @@ def test_unknown_deepspeed_version_fails_clearly(monkeypatch):
     assert "forward" not in engine.__dict__
     with pytest.warns(RuntimeWarning, match="Continuing without zero_lifetime"):
         assert zero_lifetime.install(engine, strict=False) is None
+
+
+def _engine_with(stage: int, **config):
+    """A DeepSpeed engine over the harness model, with top-level config keys replaced (None: removed)."""
+    import deepspeed
+    from harness import MODELS, ds_config
+    cfg = {**ds_config(stage), **config}
+    model = MODELS["mlp_norm"]()
+    engine, *_ = deepspeed.initialize(model=model, config={k: v for k, v in cfg.items() if v is not None},
+                                      model_parameters=model.parameters())
+    return engine
+
+
+@pytest.mark.parametrize("stage, config, runs, advice", [
+    # 0.17.6 spells DDP_BFLOAT16 like BFLOAT16, so its fp16 wrapper takes this case first.
+    (1, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+     "FP16_UnfusedOptimizer" if DS_VERSION == "0.17.6" else "BF16_Optimizer", "or use ZeRO stage 2"),
+    (3, {"optimizer": None}, "DeepSpeedZeRoOffload", "give deepspeed.initialize an optimizer"),
+])
+def test_engine_without_a_zero_optimizer_is_refused_with_the_reason(stage, config, runs, advice):
+    """For these configurations DeepSpeed runs another optimizer under the same ZeRO stage:
+    the refusal says so and what to change, instead of blaming the DeepSpeed version."""
+    engine = _engine_with(stage, **config)
+    assert type(engine.optimizer).__name__ == runs  # what DeepSpeed chose, not our doing
+    before = _patched_methods(engine.optimizer)
+    with pytest.raises(UnsupportedDeepSpeedError) as refused:
+        zero_lifetime.install(engine)
+    message = str(refused.value)
+    assert f"this engine's optimizer is {runs}" in message and advice in message, message
+    assert "does not recognise DeepSpeed" not in message
+    assert "forward" not in engine.__dict__ and _patched_methods(engine.optimizer) == before
+    with pytest.warns(RuntimeWarning, match=f"optimizer is {runs}.*Continuing without zero_lifetime"):
+        assert zero_lifetime.install(engine, strict=False) is None
+    assert "forward" not in engine.__dict__
 
 
 def test_semantics_logged_once_at_install(caplog):

@@ -45,6 +45,7 @@ class Installation:
 
     def __init__(self, engine, policy: str, max_pinned_bytes: int):
         from .adapters.engine_backward import make_engine_backward
+        from .adapters.zero_optimizer import require_zero_optimizer
 
         require_supported_version()
         self.engine = engine
@@ -53,6 +54,7 @@ class Installation:
         self.stage = int(engine.zero_optimization_stage())
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
+        require_zero_optimizer(engine, self.stage)
         self.backward = None
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
