@@ -15,6 +15,9 @@ from rank_spawn import spawn_ranks
 
 SPAWN_DEADLINE_S = 600  # only reached when something hangs: a passing run takes 100-130 s unloaded, more on busy shared cores
 ATOL = worker.ATOL
+# How stock ZeRO-3's second backward meets a released (empty) param: accumulating its
+# gradient, or (0.17.6, model built in zero.Init) DeepSpeed's own linear reading the weight.
+RELEASED_PARAM_USED = ("size of tensor a (0)", "vec (0)")
 
 TRAINING = [sc for sc in worker.SCENARIOS if sc["kind"] in ("steps", "penalty")]
 SANITY = [sc for sc in TRAINING if sc["id"].startswith("sanity-")]
@@ -114,4 +117,4 @@ def test_stock_stage3_fails_without_install(results, sc):
     crashes (its first one runs; the worker records an error there as a scenario error)."""
     for rank, record in enumerate(results.records(sc["id"])):
         assert record["raised"] is not None, f"rank {rank}: stock ZeRO-3 ran the second backward"
-        assert "size of tensor a (0)" in record["raised"], f"rank {rank}: {record['raised']}"
+        assert any(m in record["raised"] for m in RELEASED_PARAM_USED), f"rank {rank}: {record['raised']}"

@@ -42,11 +42,12 @@ CONTROL_TIMEOUT_S = 45
 
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
-              persistence=0, schedule=None, install=True, offload=False, gas=1):
-    """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step."""
+              persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False):
+    """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
+    ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made)."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
-                gas=gas)
+                gas=gas, zero_init=zero_init)
 
 
 def _build_scenarios():
@@ -76,6 +77,13 @@ def _build_scenarios():
                     for zero_grad in (True, False):
                         sid = f"two-stage3-{model}-persist{persistence}-{policy}-{path}-{zg_ids[zero_grad]}"
                         out.append(_scenario(sid, "steps", 3, path, zero_grad, policy, model, persistence))
+    # Models built inside zero.Init, as the HF Trainer and large-model scripts build them for
+    # ZeRO-3 (on 0.17.6 this is also the only way F.linear becomes DeepSpeed's own linear).
+    for model in ("mlp_norm", "tied_lm"):
+        for policy in ("regather", "pin"):
+            for zero_grad in (True, False):
+                sid = f"two-stage3-{model}-zero_init-{policy}-engine-{zg_ids[zero_grad]}"
+                out.append(_scenario(sid, "steps", 3, "engine", zero_grad, policy, model, zero_init=True))
     for policy in ("regather", "pin"):
         for path in ("engine", "manual"):
             out.append(_scenario(f"penalty-stage3-{policy}-{path}", "penalty", 3, path, policy=policy))
@@ -104,6 +112,8 @@ def _build_scenarios():
                 out.append(dict(id=sid, kind="fp16", stage=stage, offload=offload, zero_grad=zero_grad))
     # Last: a failing backward may leave DeepSpeed's global state odd.
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
+    out.append(_scenario("stock-stage3-zero_init-no-install", "stock", 3, "engine", True, install=False,
+                         zero_init=True))
     if _torch_style_backward():
         return out
     # 0.17.6 refuses a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
@@ -251,6 +261,8 @@ def _run_training(sc, rank):
     lr = LR[sc["model"]]
     offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
     cfg = ds_config(sc["stage"], sc["persistence"], lr=lr, gas=sc["gas"], **offload)
+    if sc["zero_init"]:
+        model = _built_in_zero_init(sc["model"], cfg, initial)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, device_ids=None)
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     ar_opt = torch.optim.SGD(ar_model.parameters(), lr=lr)
@@ -281,6 +293,24 @@ def _run_training(sc, rank):
     return record
 
 
+def _built_in_zero_init(model_name, cfg, weights):
+    """The model made inside zero.Init (each rank keeps only its shards), then given
+    ``weights`` (those the oracles start from) through DeepSpeed's gather-and-modify."""
+    import deepspeed
+    import torch
+    from harness import MODELS
+
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = MODELS[model_name]()
+    params = dict(model.named_parameters())
+    assert all(p.ds_tensor.numel() < p.ds_numel for p in params.values()), "zero.Init did not partition"
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])
+    return model
+
+
 def _run_stock(sc, rank):
     """Negative control: stock ZeRO-3 (no install); the first backward retains the graph."""
     import deepspeed
@@ -289,8 +319,10 @@ def _run_stock(sc, rank):
 
     torch.manual_seed(0)
     model = MODELS[sc["model"]]()
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, sc["persistence"], lr=LR[sc["model"]]),
-                                      model_parameters=model.parameters())
+    cfg = ds_config(3, sc["persistence"], lr=LR[sc["model"]])
+    if sc["zero_init"]:
+        model = _built_in_zero_init(sc["model"], cfg, {n: p.detach() for n, p in model.named_parameters()})
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     l1, l2 = losses(engine(_shard(sc["model"], 0, rank)))
     engine.backward(l1, retain_graph=True)  # works on stock: an error here fails the scenario
     if sc["zero_grad"]:
