@@ -1,14 +1,17 @@
 """Two backwards over one forward, on real DeepSpeed engines (1 rank), against plain torch."""
 
+import copy
 import gc
 
+import deepspeed
 import pytest
 import torch
+from deepspeed.utils import safe_get_full_fp32_param
 
 import zero_lifetime
-from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, assert_weights_match, full_weights, gathered_bytes, losses,
-                     make_input, make_pair, params_saved_by_forward, reference_two_backwards, released_state,
-                     two_backwards)
+from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config,
+                     full_weights, gathered_bytes, losses, make_input, make_pair, params_saved_by_forward,
+                     reference_two_backwards, released_state, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 
 # Single-backward steps use loss.backward() where DeepSpeed supports it (0.18+), else engine.backward().
@@ -67,6 +70,41 @@ def test_stage3_alternating_steps(model_name, persistence, policy):
     stats = zero_lifetime.stats(engine)
     assert stats["pinned_params"] == 0 and stats["live_handles"] == 0, stats
     assert released_state(engine) == ([], [])
+
+
+@pytest.mark.parametrize("frozen", ["l1", "ln"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no_zero_grad"])
+def test_frozen_layer_stays_put_and_the_rest_matches_torch(frozen, stage, path, zero_grad):
+    """A layer frozen before initialize, as in LoRA/PEFT fine-tuning. Frozen "ln" sits between
+    trainable layers: its weight is saved for the input gradient, so the second backward
+    needs it gathered although it never gets a gradient of its own."""
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    getattr(model, frozen).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage), model_parameters=trainable)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    zero_lifetime.install(engine)
+    _run_steps(engine, reference, ref_opt, "mlp_norm", [2, 1, 2], path, zero_grad)
+    moved = 0.0
+    for (name, p), want in zip(engine.module.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            got = safe_get_full_fp32_param(p).detach()
+            moved = max(moved, (got - initial[name]).abs().max().item())
+        else:
+            with deepspeed.zero.GatheredParameters([p]):  # a no-op below stage 3
+                got = p.detach().clone()
+            torch.testing.assert_close(got, initial[name], atol=0, rtol=0,
+                                       msg=lambda m: f"frozen {name} changed: {m}")
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert moved > 1e-3  # the trainable params did train
+    if stage == 3:
+        gc.collect()
+        assert released_state(engine) == ([], [])
 
 
 @pytest.mark.parametrize("model_name", ["ckpt_reentrant", "ckpt_nonreentrant"])
