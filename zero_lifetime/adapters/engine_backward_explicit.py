@@ -61,7 +61,10 @@ class ExplicitEngineBackward(EngineBackwardBase):
             raise unsupported_feature(
                 "loss.backward() without engine.backward(loss)",
                 "this DeepSpeed reduces gradients only inside engine.backward(loss) (the torch-style "
-                "backward exists from DeepSpeed 0.18 on); call engine.backward(loss, retain_graph=...) instead")
+                "backward exists from DeepSpeed 0.18 on), and this backward writes gradients of this "
+                "engine's params outside it (loss.backward(), or another engine's backward passing "
+                "through this model); call engine.backward(loss, retain_graph=...) instead, or freeze "
+                "this model's params (requires_grad_(False)) for a backward that belongs to another engine")
 
     def start_new_micro_step(self) -> None:
         """DeepSpeed advanced the micro step when the previous backward ended."""
