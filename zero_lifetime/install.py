@@ -284,6 +284,8 @@ class Installation:
         # ZeRO-3 param is released records its empty shape and would reject real grads.
         with torch.enable_grad():
             for param in self._trainable:
+                if not param.requires_grad:  # frozen for now (a GAN's D in the G step): no node
+                    continue
                 node = param.view_as(param).grad_fn.next_functions[0][0]
                 try:
                     if will_execute(node):
