@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation, for a machine with an NVIDIA GPU and a CUDA torch (not part of CI,
 # which has no GPU). Phases, in the order given on the command line:
-#   setup     install carried wheels (./.whl, if any: DeepSpeed and its pure-Python deps),
+#   setup     install carried wheels (./.whl, made here by scripts/gpu_wheels.sh: DeepSpeed and its deps),
 #             build zero_lifetime._C with the CUDA kernels in place
 #   tests_cuda  only what runs on the GPU: the CUDA op tests and fuzz, the CUDA engine
 #             scenarios, each kernel path once (minutes; CI runs everything else)
