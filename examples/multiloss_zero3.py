@@ -62,6 +62,10 @@ def main(argv=None) -> None:
     stats = zero_lifetime.stats(engine)
     print(f"rank {rank}/{torch.distributed.get_world_size()}: {args.steps} two-loss steps on ZeRO-{args.stage} "
           f"OK; pinned {stats['pinned_params']}, live handles {stats['live_handles']}", flush=True)
+    # Before the interpreter exits: gloo's worker threads left to process teardown aborted a
+    # rank once ("terminate called without an active exception", exit code -6).
+    engine.destroy()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

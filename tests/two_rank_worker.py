@@ -304,9 +304,12 @@ def _built_in_zero_init(model_name, cfg, weights):
         model = MODELS[model_name]()
     params = dict(model.named_parameters())
     assert all(p.ds_tensor.numel() < p.ds_numel for p in params.values()), "zero.Init did not partition"
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
-        with torch.no_grad():
-            for name, p in params.items():
+    # One param at a time: DeepSpeed 0.17.6 gathers several with one async all-gather each and
+    # waits only the last (fixed in 0.19); over gloo an earlier one can land after the copy
+    # below and put DeepSpeed's own initial weights back. One param takes its synchronous path.
+    for name, p in params.items():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            with torch.no_grad():
                 p.copy_(weights[name])
     return model
 
