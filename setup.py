@@ -36,7 +36,7 @@ if os.environ.get("ZERO_LIFETIME_BUILD_EXT", "1") != "0":
 
     # With a CUDA torch and toolkit the .cu kernels join the same module (CUDAExtension
     # adds nvcc and cudart); otherwise the module has CPU and Meta kernels only.
-    if native.cuda_toolchain_found() and native.cuda_arch_unknown():
+    if native.cuda_arch_missing():
         # A module built here is meant for GPUs: leaving their kernels out would be silent.
         raise SystemExit(f"zero_lifetime: {native.CUDA_ARCH_UNKNOWN}. Set TORCH_CUDA_ARCH_LIST to the "
                          "GPUs the build is for (e.g. TORCH_CUDA_ARCH_LIST=9.0), or "

@@ -662,11 +662,11 @@ def test_cuda_kernels_need_an_architecture(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(_native, "cuda_toolchain_found", lambda: True)  # as with a CUDA torch and nvcc
-    assert not _native.cuda_build_enabled()
+    assert not _native.cuda_build_enabled() and _native.cuda_arch_missing()
     assert _native.build_hash() == _native.build_hash(with_cuda=False) != _native.build_hash(with_cuda=True)
     assert _native._prebuilt_hashes() == [f"zlh_{_native.build_hash()}", f"zlh_{_native.build_hash(with_cuda=True)}"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _native.cuda_build_enabled()
+    assert _native.cuda_build_enabled() and not _native.cuda_arch_missing()
     assert _native._prebuilt_hashes() == [f"zlh_{_native.build_hash(with_cuda=True)}"]
 
 

@@ -113,6 +113,15 @@ def cuda_arch_unknown() -> bool:
     return torch.cuda.device_count() == 0
 
 
+def cuda_arch_missing() -> bool:
+    """:func:`cuda_toolchain_found`, but no architecture to compile the kernels for
+    (:func:`cuda_arch_unknown`): a JIT build leaves them out, setup.py refuses to."""
+    try:
+        return cuda_toolchain_found() and cuda_arch_unknown()
+    except Exception:  # noqa: BLE001 - no torch: nothing to build against anyway
+        return False
+
+
 def cuda_build_enabled() -> bool:
     """Whether the CUDA kernels are compiled in: :func:`cuda_toolchain_found`, and an
     architecture to compile for. A CPU build simply lacks the CUDA kernels; a JIT build on
@@ -207,11 +216,8 @@ def _prebuilt_hashes() -> List[str]:
     of a GPU leaves the CUDA kernels out of a build here, also that of a build with them
     (a module built on a GPU machine with the same torch serves the CPU kernels as well)."""
     hashes = [f"zlh_{build_hash()}"]
-    try:
-        if cuda_toolchain_found() and cuda_arch_unknown():
-            hashes.append(f"zlh_{build_hash(with_cuda=True)}")
-    except Exception:  # noqa: BLE001 - no torch: the first hash says it all
-        pass
+    if cuda_arch_missing():
+        hashes.append(f"zlh_{build_hash(with_cuda=True)}")
     return hashes
 
 
@@ -344,7 +350,7 @@ def jit_load(verbose: bool = False) -> Any:
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     _status["build_directory"] = str(build_dir)
-    if cuda_toolchain_found() and cuda_arch_unknown():
+    if cuda_arch_missing():
         _status["notes"].append(f"CUDA kernels left out of the JIT build: {CUDA_ARCH_UNKNOWN}")
     if torch_build_lock_is_a_file_baton(cpp_extension):
         wait_for_build_lock(build_dir)
