@@ -16,3 +16,6 @@ fi
 "$PY" -m pip install -q "transformers==5.23.0" "accelerate==1.15.0"
 # Builds the C++ core ahead of time (zero_lifetime._C) against the installed torch.
 "$PY" -m pip install -q --no-build-isolation -e .
+# A JIT build killed half-way leaves torch's lock behind, and every later build of that
+# extension waits on it for ever: DeepSpeed's CPU comm op is built by every engine here.
+"$PY" -m zero_lifetime.jit_locks

@@ -6,10 +6,13 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from zero_lifetime._native import StaleBuildLockError, torch_build_lock_is_a_file_baton, wait_for_build_lock
+from zero_lifetime import jit_locks
+from zero_lifetime.jit_locks import (JIT_LOCK_TIMEOUT_ENV, StaleBuildLockError, torch_build_lock_is_a_file_baton,
+                                      wait_for_build_lock)
 
 
 def _age(path, seconds):
@@ -52,29 +55,39 @@ def test_no_lock_returns_at_once(tmp_path):
     assert time.monotonic() - started < 0.5
 
 
+def _jit_load_over_an_old_lock(tmp_path, lock_timeout_s: int, lock_age_s: int, setup: str, run: str):
+    """In a fresh process with TORCH_EXTENSIONS_DIR=tmp_path: ``setup``, then a ``lock`` file and
+    its hashed build directory last touched ``lock_age_s`` ago, then ``run``; it must exit 0."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT=str(lock_timeout_s))
+    code = "\n".join([
+        "import os, time",
+        textwrap.dedent(setup),
+        "from zero_lifetime import _native, jit_locks",
+        "build_dir = _native.build_directory()",
+        "build_dir.mkdir(parents=True)",
+        "lock = build_dir / 'lock'",
+        "lock.write_text('')",
+        f"old = time.time() - {lock_age_s}",
+        "for path in (lock, build_dir):",
+        "    os.utime(path, (old, old))",
+        textwrap.dedent(run),
+    ])
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 @pytest.mark.skipif(not torch_build_lock_is_a_file_baton(),
                     reason="this torch locks JIT builds with an OS lock, which a killed build cannot leave held")
 def test_jit_load_fails_fast_on_a_stale_lock(tmp_path):
     """The real entry point: a stale lock in the hashed build directory ends the build
     attempt with the explanation, instead of torch's FileBaton waiting for ever."""
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="1")
-    code = textwrap.dedent("""
-        import os, time
-        from zero_lifetime import _native
-        build_dir = _native.build_directory()
-        build_dir.mkdir(parents=True)
-        lock = build_dir / "lock"
-        lock.write_text("")
-        old = time.time() - 60
-        for path in (lock, build_dir):
-            os.utime(path, (old, old))
+    done = _jit_load_over_an_old_lock(tmp_path, lock_timeout_s=1, lock_age_s=60, setup="", run="""
         try:
             _native.jit_load()
-        except _native.StaleBuildLockError as exc:
+        except jit_locks.StaleBuildLockError as exc:
             print("STALE", exc)
     """)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
     assert "STALE" in done.stdout and f"rm {tmp_path}" in done.stdout, done.stdout
 
 
@@ -95,25 +108,51 @@ def test_jit_load_ignores_the_lock_file_an_advisory_lock_leaves(tmp_path):
     """torch >= 2.15 leaves <build_dir>/lock after every build: a later run must go straight
     to torch's load (which takes the advisory lock itself), not wait out the timeout.
     Here torch 2.15 is imitated (no FileBaton) and its load replaced, to see what is called."""
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="5")
-    code = textwrap.dedent("""
-        import os, time
+    done = _jit_load_over_an_old_lock(tmp_path, lock_timeout_s=5, lock_age_s=3600, setup="""
         from torch.utils import cpp_extension
-        from zero_lifetime import _native
         if hasattr(cpp_extension, "FileBaton"):
             del cpp_extension.FileBaton
         cpp_extension.load = lambda **kwargs: "LOADED " + kwargs["build_directory"]
-        build_dir = _native.build_directory()
-        build_dir.mkdir(parents=True)
-        lock = build_dir / "lock"
-        lock.write_text("")
-        old = time.time() - 3600
-        for path in (lock, build_dir):
-            os.utime(path, (old, old))
+    """, run="""
         started = time.monotonic()
         print(_native.jit_load(), round(time.monotonic() - started, 3))
     """)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
     loaded, seconds = done.stdout.split()[-2:]
     assert loaded.startswith(str(tmp_path)) and float(seconds) < 1.0, done.stdout
+
+
+def _build_dir(root: Path, name: str, age_s: float) -> Path:
+    """A build directory holding a ``lock`` and an object file, all last written ``age_s`` ago."""
+    build_dir = root / name
+    build_dir.mkdir(parents=True)
+    then = time.time() - age_s
+    for path in (build_dir / "lock", build_dir / "part.o"):
+        path.write_text("")
+        os.utime(path, (then, then))
+    os.utime(build_dir, (then, then))
+    return build_dir
+
+
+@pytest.mark.skipif(not torch_build_lock_is_a_file_baton(),
+                    reason="this torch locks JIT builds with an OS lock, which a killed build cannot leave held")
+def test_sweep_removes_only_the_locks_of_idle_builds(tmp_path, monkeypatch, capsys):
+    """What setup_env.sh runs: DeepSpeed's comm op killed mid-build (the lock that hung every
+    engine of a CI run) and one of ours are removed; a build still writing keeps its lock."""
+    monkeypatch.setenv(JIT_LOCK_TIMEOUT_ENV, "600")
+    killed_deepspeed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", age_s=3600)
+    killed_ours = _build_dir(tmp_path, "zero_lifetime_C_abc", age_s=700)
+    live = _build_dir(tmp_path, "py311_cpu/live_ext", age_s=3600)
+    (live / "fresh.o").write_text("")  # still compiling
+    (tmp_path / "py311_cpu" / "finished").mkdir()
+
+    assert jit_locks.main(["--root", str(tmp_path), "--check"]) == 1
+    listed = capsys.readouterr().out
+    assert str(killed_deepspeed / "lock") in listed and str(killed_ours / "lock") in listed
+    assert str(live) not in listed and (killed_deepspeed / "lock").exists()  # --check removes nothing
+
+    assert jit_locks.main(["--root", str(tmp_path)]) == 0
+    removed = capsys.readouterr().out
+    assert removed.count("removed a stale JIT build lock") == 2, removed
+    assert not (killed_deepspeed / "lock").exists() and not (killed_ours / "lock").exists()
+    assert (live / "lock").exists() and (killed_deepspeed / "part.o").exists()
+    assert jit_locks.main(["--root", str(tmp_path), "--check"]) == 0

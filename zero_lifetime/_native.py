@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -187,9 +186,9 @@ def build_hash_define() -> str:
 
 
 def build_directory() -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "torch_extensions")
-    return Path(root) / f"{EXTENSION_NAME}_{build_hash()}"
+    from zero_lifetime.jit_locks import extensions_root  # not at the top: setup.py loads this file by path
+
+    return extensions_root() / f"{EXTENSION_NAME}_{build_hash()}"
 
 
 # ---------------------------------------------------------------------------- loading
@@ -284,62 +283,6 @@ def _missing_toolchain() -> Optional[str]:
     return None
 
 
-JIT_LOCK_TIMEOUT_ENV = "ZERO_LIFETIME_JIT_LOCK_TIMEOUT"
-_DEFAULT_JIT_LOCK_TIMEOUT_S = 600.0
-
-
-class StaleBuildLockError(RuntimeError):
-    """torch's JIT build lock was left behind by a build that no longer runs."""
-
-
-def _newest_activity(build_dir: Path) -> float:
-    """mtime of the most recently written file of a build (ninja writes as it goes)."""
-    newest = build_dir.stat().st_mtime
-    for path in build_dir.rglob("*"):
-        try:
-            newest = max(newest, path.stat().st_mtime)
-        except OSError:  # removed while we look: that is activity too
-            return time.time()
-    return newest
-
-
-def torch_build_lock_is_a_file_baton(cpp_extension: Any = None) -> bool:
-    """Whether torch's JIT build lock is a FileBaton: ``<build_dir>/lock`` exists exactly while
-    a build holds it (torch up to 2.14).
-
-    torch 2.15 holds an OS advisory lock (filelock) on the same path instead: the file stays
-    after every build, and the kernel frees the lock of a builder that died. Waiting on that
-    file's existence would make every run after the first build wait out the timeout and
-    fall back to the Python tracker (seen with torch 2.15.0), and torch's own lock needs no help.
-    """
-    if cpp_extension is None:
-        from torch.utils import cpp_extension
-    return hasattr(cpp_extension, "FileBaton")
-
-
-def wait_for_build_lock(build_dir: Path, timeout_s: Optional[float] = None, poll_s: float = 0.5) -> None:
-    """Wait while another process builds in ``build_dir``; raise if its lock is stale.
-
-    For torch's FileBaton only (:func:`torch_build_lock_is_a_file_baton`), which waits for
-    ever on ``<build_dir>/lock``: a build killed half-way (a rank killed by its launcher,
-    Ctrl-C) leaves that file behind, and every later run would hang. A live build keeps
-    writing objects; a lock with nothing written in the build directory for ``timeout_s``
-    seconds is reported, with the command that clears it.
-    """
-    if timeout_s is None:
-        timeout_s = float(os.environ.get(JIT_LOCK_TIMEOUT_ENV, _DEFAULT_JIT_LOCK_TIMEOUT_S))
-    lock = build_dir / "lock"
-    while lock.exists():
-        idle = time.time() - _newest_activity(build_dir)
-        if idle > timeout_s:
-            raise StaleBuildLockError(
-                f"zero_lifetime: the JIT build directory {build_dir} is locked by {lock}, and nothing "
-                f"has been written there for {idle:.0f} s: a build was probably killed half-way. If no "
-                f"other process is building it, remove the lock (rm {lock}) and run again. "
-                f"({JIT_LOCK_TIMEOUT_ENV} sets how long an idle lock is trusted; now {timeout_s:.0f} s.)")
-        time.sleep(poll_s)
-
-
 def jit_load(verbose: bool = False) -> Any:
     """Compile (or reuse the cached build of) the extension; raises on failure."""
     missing = _missing_toolchain()
@@ -352,8 +295,10 @@ def jit_load(verbose: bool = False) -> Any:
     _status["build_directory"] = str(build_dir)
     if cuda_arch_missing():
         _status["notes"].append(f"CUDA kernels left out of the JIT build: {CUDA_ARCH_UNKNOWN}")
-    if torch_build_lock_is_a_file_baton(cpp_extension):
-        wait_for_build_lock(build_dir)
+    from zero_lifetime import jit_locks  # not at the top: setup.py loads this file by path
+
+    if jit_locks.torch_build_lock_is_a_file_baton(cpp_extension):
+        jit_locks.wait_for_build_lock(build_dir)
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=source_paths(),

@@ -1,0 +1,126 @@
+"""torch JIT build locks a killed build left behind (torch's FileBaton, torch up to 2.14).
+
+``torch.utils.cpp_extension.load`` takes ``<build_dir>/lock`` by creating the file and waits,
+for ever, while it exists. A build killed half-way (a rank killed by its launcher, Ctrl-C, a
+session cut off) leaves the file, and every later build of that extension hangs: ours, and
+DeepSpeed's CPU comm op (``deepspeed_shm_comm``), which ``deepspeed.initialize`` builds on a
+CPU machine, so every engine hangs. A live build keeps writing objects; a lock whose build
+directory has had nothing written for ``ZERO_LIFETIME_JIT_LOCK_TIMEOUT`` seconds is stale.
+
+``python -m zero_lifetime.jit_locks`` removes the stale locks under the torch extensions
+directory (``scripts/setup_env.sh`` runs it) and says which; ``--check`` only lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+JIT_LOCK_TIMEOUT_ENV = "ZERO_LIFETIME_JIT_LOCK_TIMEOUT"
+_DEFAULT_JIT_LOCK_TIMEOUT_S = 600.0
+
+
+class StaleBuildLockError(RuntimeError):
+    """torch's JIT build lock was left behind by a build that no longer runs."""
+
+
+def extensions_root() -> Path:
+    """Where torch JIT-builds extensions (one directory per extension below, or per
+    ``py<ver>_<device>`` directory and then per extension)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    return Path(root)
+
+
+def lock_timeout_s(timeout_s: Optional[float] = None) -> float:
+    if timeout_s is not None:
+        return timeout_s
+    return float(os.environ.get(JIT_LOCK_TIMEOUT_ENV, _DEFAULT_JIT_LOCK_TIMEOUT_S))
+
+
+def _newest_activity(build_dir: Path) -> float:
+    """mtime of the most recently written file of a build (ninja writes as it goes)."""
+    newest = build_dir.stat().st_mtime
+    for path in build_dir.rglob("*"):
+        try:
+            newest = max(newest, path.stat().st_mtime)
+        except OSError:  # removed while we look: that is activity too
+            return time.time()
+    return newest
+
+
+def torch_build_lock_is_a_file_baton(cpp_extension: Any = None) -> bool:
+    """Whether torch's JIT build lock is a FileBaton: ``<build_dir>/lock`` exists exactly while
+    a build holds it (torch up to 2.14).
+
+    torch 2.15 holds an OS advisory lock (filelock) on the same path instead: the file stays
+    after every build, and the kernel frees the lock of a builder that died. Waiting on that
+    file's existence would make every run after the first build wait out the timeout and
+    fall back to the Python tracker (seen with torch 2.15.0), and torch's own lock needs no help.
+    """
+    if cpp_extension is None:
+        from torch.utils import cpp_extension
+    return hasattr(cpp_extension, "FileBaton")
+
+
+def wait_for_build_lock(build_dir: Path, timeout_s: Optional[float] = None, poll_s: float = 0.5) -> None:
+    """Wait while another process builds in ``build_dir``; raise if its lock is stale.
+
+    For torch's FileBaton only (:func:`torch_build_lock_is_a_file_baton`). A lock with nothing
+    written in the build directory for ``timeout_s`` seconds is reported, with the command
+    that clears it.
+    """
+    timeout_s = lock_timeout_s(timeout_s)
+    lock = build_dir / "lock"
+    while lock.exists():
+        idle = time.time() - _newest_activity(build_dir)
+        if idle > timeout_s:
+            raise StaleBuildLockError(
+                f"zero_lifetime: the JIT build directory {build_dir} is locked by {lock}, and nothing "
+                f"has been written there for {idle:.0f} s: a build was probably killed half-way. If no "
+                f"other process is building it, remove the lock (rm {lock}) and run again. "
+                f"({JIT_LOCK_TIMEOUT_ENV} sets how long an idle lock is trusted; now {timeout_s:.0f} s.)")
+        time.sleep(poll_s)
+
+
+def stale_locks(root: Path, timeout_s: Optional[float] = None) -> List[Tuple[Path, float]]:
+    """``(lock, seconds idle)`` for each FileBaton lock under ``root`` (``root/<ext>/lock`` or
+    ``root/<py_device>/<ext>/lock``) whose build directory has been idle past the timeout."""
+    timeout_s = lock_timeout_s(timeout_s)
+    found = []
+    for lock in sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]):
+        try:
+            idle = time.time() - _newest_activity(lock.parent)
+        except OSError:  # the build finished and removed it while we looked
+            continue
+        if idle > timeout_s:
+            found.append((lock, idle))
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zero_lifetime.jit_locks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=None, help="torch extensions directory (default: TORCH_EXTENSIONS_DIR "
+                        "or ~/.cache/torch_extensions)")
+    parser.add_argument("--check", action="store_true", help="list the stale locks, remove nothing; exit 1 if any")
+    args = parser.parse_args(argv)
+    if not torch_build_lock_is_a_file_baton():
+        return 0  # an advisory lock dies with its builder: nothing can be stale
+    root = args.root or extensions_root()
+    found = stale_locks(root) if root.is_dir() else []
+    for lock, idle in found:
+        if args.check:
+            print(f"stale JIT build lock (nothing written for {idle:.0f} s): {lock}")
+        else:
+            lock.unlink(missing_ok=True)
+            print(f"removed a stale JIT build lock (nothing written for {idle:.0f} s; a build was killed "
+                  f"half-way, and every build of that extension would wait on it for ever): {lock}")
+    return 1 if (args.check and found) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
