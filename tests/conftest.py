@@ -1,7 +1,10 @@
 import os
 import sys
 
+import pytest
+
 import zero_lifetime.single_rank as single_rank
+from zero_lifetime import jit_locks
 
 # Every port handed out in this process (the test modules import free_port after this
 # file runs, so they get the recording one): see pytest_sessionfinish.
@@ -21,6 +24,19 @@ single_rank.free_port = _recording_free_port
 single_rank.single_rank_env()
 _PORTS.add(os.environ["MASTER_PORT"])
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionstart(session):
+    """A lock left by a killed JIT build would hang every DeepSpeed engine (deepspeed.initialize
+    builds its CPU comm op) until each test's timeout: say so at once instead."""
+    if not jit_locks.torch_build_lock_is_a_file_baton() or not jit_locks.extensions_root().is_dir():
+        return
+    stale = jit_locks.stale_locks(jit_locks.extensions_root())
+    if stale:
+        pytest.exit("stale JIT build locks (a build was killed half-way; every engine would hang on "
+                    f"them): {', '.join(str(lock) for lock, _ in stale)}. Remove them with "
+                    "`python -m zero_lifetime.jit_locks` (scripts/setup_env.sh does) and run again.",
+                    returncode=3)
 
 
 def pytest_sessionfinish(session, exitstatus):
