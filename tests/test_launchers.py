@@ -18,14 +18,38 @@ LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_example_under_launcher(launcher):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+# torch issue 117762: a gloo worker thread that drops the last reference to a tensor Python
+# let go of needs the GIL, and once the interpreter is finalizing that ends the thread with a
+# forced unwind through C++ frames: std::terminate, exit code -6, after the script's last line.
+# Seen here about 4 times in 100 launches under load, on both launchers, always after both ranks
+# printed their result (native backtrace: ProcessGroupGloo::runLoop -> TensorImpl::decref_pyobject
+# -> PyEval_AcquireThread -> pthread_exit; faulthandler: no Python frame). mp.spawn ranks end
+# with os._exit and never finalize, so only launcher runs meet it.
+_FINALIZING_ABORT = ("terminate called without an active exception", "Fatal Python error: Aborted",
+                     "<no Python frame>")
+
+
+def _launch(launcher: str):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # the launcher sets them; the test process's single-rank env must not leak
     cmd = LAUNCHERS[launcher](free_port()) + [str(EXAMPLE), "--steps", "3"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    for rank in (0, 1):
-        assert f"rank {rank}/2: 3 two-loss steps on ZeRO-3 OK; pinned 0, live handles 0" in output, output[-3000:]
+    return done.returncode, done.stdout + done.stderr
+
+
+def _results_printed(output: str) -> bool:
+    return all(f"rank {rank}/2: 3 two-loss steps on ZeRO-3 OK; pinned 0, live handles 0" in output
+               for rank in (0, 1))
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_example_under_launcher(launcher):
+    returncode, output = _launch(launcher)
+    if returncode != 0 and _results_printed(output) and all(sign in output for sign in _FINALIZING_ABORT):
+        # Only that abort, and only after both ranks checked out: one more launch must be clean.
+        first = output
+        returncode, output = _launch(launcher)
+        output = f"{output}\n--- first launch, aborted while finalizing ---\n{first[-2000:]}"
+    assert returncode == 0, output[:1500] + "\n...\n" + output[-3000:]
+    assert _results_printed(output), output[-3000:]
