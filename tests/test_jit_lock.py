@@ -156,3 +156,26 @@ def test_sweep_removes_only_the_locks_of_idle_builds(tmp_path, monkeypatch, caps
     assert not (killed_deepspeed / "lock").exists() and not (killed_ours / "lock").exists()
     assert (live / "lock").exists() and (killed_deepspeed / "part.o").exists()
     assert jit_locks.main(["--root", str(tmp_path), "--check"]) == 0
+
+
+@pytest.mark.skipif(not torch_build_lock_is_a_file_baton(),
+                    reason="this torch locks JIT builds with an OS lock, which a killed build cannot leave held")
+def test_import_warns_about_a_stale_lock_only(tmp_path):
+    """``import zero_lifetime`` comes before deepspeed.initialize, which would hang on the lock
+    without a word: the import names it. A build still writing gets no warning."""
+    killed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", age_s=3600)
+    live = _build_dir(tmp_path, "py311_cpu/live_ext", age_s=3600)
+    (live / "fresh.o").write_text("")
+
+    def import_warnings(root):
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="600")
+        done = subprocess.run([sys.executable, "-c", "import zero_lifetime"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [line for line in done.stderr.splitlines() if "stale JIT build lock" in line]
+
+    warned = import_warnings(tmp_path)
+    assert len(warned) == 1 and str(killed / "lock") in warned[0] and str(live) not in warned[0], warned
+    assert "python -m zero_lifetime.jit_locks" in warned[0]
+    (killed / "lock").unlink()
+    assert import_warnings(tmp_path) == []

@@ -9,6 +9,7 @@ directory has had nothing written for ``ZERO_LIFETIME_JIT_LOCK_TIMEOUT`` seconds
 
 ``python -m zero_lifetime.jit_locks`` removes the stale locks under the torch extensions
 directory (``scripts/setup_env.sh`` runs it) and says which; ``--check`` only lists them.
+``import zero_lifetime`` warns about them (:func:`warn_if_stale`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def stale_locks(root: Path, timeout_s: Optional[float] = None) -> List[Tuple[Pat
         if idle > timeout_s:
             found.append((lock, idle))
     return found
+
+
+def warn_if_stale() -> None:
+    """One warning naming the stale locks, if any: ``import zero_lifetime`` comes before
+    ``deepspeed.initialize``, which would otherwise hang on them without a word."""
+    root = extensions_root()
+    try:
+        if not any(root.glob("*/lock")) and not any(root.glob("*/*/lock")):
+            return  # the usual case, two directory listings: nothing else is imported
+        if not torch_build_lock_is_a_file_baton():
+            return
+        stale = stale_locks(root)
+    except OSError:
+        return
+    if stale:
+        import warnings
+
+        warnings.warn(
+            f"zero_lifetime: stale JIT build locks (a build was killed half-way): "
+            f"{', '.join(str(lock) for lock, _ in stale)}. A JIT build of that extension waits on it for "
+            f"ever, and deepspeed.initialize builds one on a CPU. Remove them with "
+            f"`python -m zero_lifetime.jit_locks`.", RuntimeWarning, stacklevel=3)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
