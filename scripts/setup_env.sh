@@ -18,4 +18,4 @@ fi
 "$PY" -m pip install -q --no-build-isolation -e .
 # A JIT build killed half-way leaves torch's lock behind, and every later build of that
 # extension waits on it for ever: DeepSpeed's CPU comm op is built by every engine here.
-"$PY" -m zero_lifetime.jit_locks
+"$PY" -m zero_lifetime.clear_jit_locks

@@ -35,7 +35,7 @@ def pytest_sessionstart(session):
     if stale:
         pytest.exit("stale JIT build locks (a build was killed half-way; every engine would hang on "
                     f"them): {', '.join(str(lock) for lock, _ in stale)}. Remove them with "
-                    "`python -m zero_lifetime.jit_locks` (scripts/setup_env.sh does) and run again.",
+                    "`python -m zero_lifetime.clear_jit_locks` (scripts/setup_env.sh does) and run again.",
                     returncode=3)
 
 

@@ -7,7 +7,7 @@ DeepSpeed's CPU comm op (``deepspeed_shm_comm``), which ``deepspeed.initialize``
 CPU machine, so every engine hangs. A live build keeps writing objects; a lock whose build
 directory has had nothing written for ``ZERO_LIFETIME_JIT_LOCK_TIMEOUT`` seconds is stale.
 
-``python -m zero_lifetime.jit_locks`` removes the stale locks under the torch extensions
+``python -m zero_lifetime.clear_jit_locks`` removes the stale locks under the torch extensions
 directory (``scripts/setup_env.sh`` runs it) and says which; ``--check`` only lists them.
 ``import zero_lifetime`` warns about them (:func:`warn_if_stale`).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -122,11 +121,11 @@ def warn_if_stale() -> None:
             f"zero_lifetime: stale JIT build locks (a build was killed half-way): "
             f"{', '.join(str(lock) for lock, _ in stale)}. A JIT build of that extension waits on it for "
             f"ever, and deepspeed.initialize builds one on a CPU. Remove them with "
-            f"`python -m zero_lifetime.jit_locks`.", RuntimeWarning, stacklevel=3)
+            f"`python -m zero_lifetime.clear_jit_locks`.", RuntimeWarning, stacklevel=3)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zero_lifetime.jit_locks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m zero_lifetime.clear_jit_locks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=None, help="torch extensions directory (default: TORCH_EXTENSIONS_DIR "
                         "or ~/.cache/torch_extensions)")
     parser.add_argument("--check", action="store_true", help="list the stale locks, remove nothing; exit 1 if any")
@@ -143,7 +142,3 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"removed a stale JIT build lock (nothing written for {idle:.0f} s; a build was killed "
                   f"half-way, and every build of that extension would wait on it for ever): {lock}")
     return 1 if (args.check and found) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
