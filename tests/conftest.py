@@ -29,14 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def pytest_sessionstart(session):
     """A lock left by a killed JIT build would hang every DeepSpeed engine (deepspeed.initialize
     builds its CPU comm op) until each test's timeout: say so at once instead."""
-    if not jit_locks.torch_build_lock_is_a_file_baton() or not jit_locks.extensions_root().is_dir():
-        return
-    stale = jit_locks.stale_locks(jit_locks.extensions_root())
+    stale = jit_locks.stale_locks_here()
     if stale:
-        pytest.exit("stale JIT build locks (a build was killed half-way; every engine would hang on "
-                    f"them): {', '.join(str(lock) for lock, _ in stale)}. Remove them with "
-                    "`python -m zero_lifetime.clear_jit_locks` (scripts/setup_env.sh does) and run again.",
-                    returncode=3)
+        pytest.exit(f"{jit_locks.describe_stale(stale)} (scripts/setup_env.sh does), and run again: every "
+                    "engine would hang on them.", returncode=3)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -87,12 +87,16 @@ def wait_for_build_lock(build_dir: Path, timeout_s: Optional[float] = None, poll
         time.sleep(poll_s)
 
 
+# Where a FileBaton lock sits below the extensions root: ``<ext>/lock`` or ``<py_device>/<ext>/lock``.
+_LOCK_PATTERNS = ("*/lock", "*/*/lock")
+
+
 def stale_locks(root: Path, timeout_s: Optional[float] = None) -> List[Tuple[Path, float]]:
-    """``(lock, seconds idle)`` for each FileBaton lock under ``root`` (``root/<ext>/lock`` or
-    ``root/<py_device>/<ext>/lock``) whose build directory has been idle past the timeout."""
+    """``(lock, seconds idle)`` for each FileBaton lock under ``root`` whose build directory has
+    been idle past the timeout."""
     timeout_s = lock_timeout_s(timeout_s)
     found = []
-    for lock in sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]):
+    for lock in sorted(lock for pattern in _LOCK_PATTERNS for lock in root.glob(pattern)):
         try:
             idle = time.time() - _newest_activity(lock.parent)
         except OSError:  # the build finished and removed it while we looked
@@ -102,26 +106,36 @@ def stale_locks(root: Path, timeout_s: Optional[float] = None) -> List[Tuple[Pat
     return found
 
 
+def stale_locks_here(root: Optional[Path] = None) -> List[Tuple[Path, float]]:
+    """:func:`stale_locks` under ``root`` (default: :func:`extensions_root`), or none where this
+    torch's lock cannot go stale. Cheap when there is no lock at all (two directory listings,
+    torch not imported): ``import zero_lifetime`` runs it."""
+    root = extensions_root() if root is None else root
+    try:
+        if not any(lock for pattern in _LOCK_PATTERNS for lock in root.glob(pattern)):
+            return []
+        if not torch_build_lock_is_a_file_baton():
+            return []  # an advisory lock dies with its builder: nothing can be stale
+        return stale_locks(root)
+    except OSError:
+        return []
+
+
+def describe_stale(stale: List[Tuple[Path, float]]) -> str:
+    """What every report of stale locks says: which, why they matter, and the command that clears them."""
+    return (f"stale JIT build locks (a build was killed half-way): {', '.join(str(lock) for lock, _ in stale)}. "
+            f"A JIT build of that extension waits on it for ever, and deepspeed.initialize builds one on a CPU. "
+            f"Remove them with `python -m zero_lifetime.clear_jit_locks`")
+
+
 def warn_if_stale() -> None:
     """One warning naming the stale locks, if any: ``import zero_lifetime`` comes before
     ``deepspeed.initialize``, which would otherwise hang on them without a word."""
-    root = extensions_root()
-    try:
-        if not any(root.glob("*/lock")) and not any(root.glob("*/*/lock")):
-            return  # the usual case, two directory listings: nothing else is imported
-        if not torch_build_lock_is_a_file_baton():
-            return
-        stale = stale_locks(root)
-    except OSError:
-        return
+    stale = stale_locks_here()
     if stale:
         import warnings
 
-        warnings.warn(
-            f"zero_lifetime: stale JIT build locks (a build was killed half-way): "
-            f"{', '.join(str(lock) for lock, _ in stale)}. A JIT build of that extension waits on it for "
-            f"ever, and deepspeed.initialize builds one on a CPU. Remove them with "
-            f"`python -m zero_lifetime.clear_jit_locks`.", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"zero_lifetime: {describe_stale(stale)}.", RuntimeWarning, stacklevel=3)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -130,10 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "or ~/.cache/torch_extensions)")
     parser.add_argument("--check", action="store_true", help="list the stale locks, remove nothing; exit 1 if any")
     args = parser.parse_args(argv)
-    if not torch_build_lock_is_a_file_baton():
-        return 0  # an advisory lock dies with its builder: nothing can be stale
-    root = args.root or extensions_root()
-    found = stale_locks(root) if root.is_dir() else []
+    found = stale_locks_here(args.root)
     for lock, idle in found:
         if args.check:
             print(f"stale JIT build lock (nothing written for {idle:.0f} s): {lock}")
