@@ -597,11 +597,15 @@ def test_last_level_cache_bytes_reads_a_sysfs_tree(tmp_path):
 def test_streaming_store_threshold_defaults_to_the_last_level_cache(tmp_path):
     _native_ops("cpu")
     default_for = ops._compiled_module("default_streaming_store_threshold").default_streaming_store_threshold
-    big, small = tmp_path / "big", tmp_path / "small"
+    big, socket, small = tmp_path / "big", tmp_path / "socket", tmp_path / "small"
     _sysfs_cache(big, 0, 2, "Unified", "2M")
-    _sysfs_cache(big, 1, 3, "Unified", "98304K")
+    _sysfs_cache(big, 1, 3, "Unified", "65536K")
+    # What an Intel Xeon VM lists: the whole socket's L3, of which its cores get a slice.
+    _sysfs_cache(socket, 0, 2, "Unified", "2048K")
+    _sysfs_cache(socket, 1, 3, "Unified", "491520K")
     _sysfs_cache(small, 0, 3, "Unified", "512K")  # under 1 MiB: not believed
-    assert default_for(str(big)) == 96 << 20
+    assert default_for(str(big)) == 64 << 20
+    assert default_for(str(socket)) == 96 << 20
     assert default_for(str(small)) == 32 << 20
     assert default_for(str(tmp_path / "missing")) == 32 << 20
     # A fresh process starts with what this machine's sysfs gives.

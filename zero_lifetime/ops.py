@@ -151,8 +151,8 @@ def streaming_store_threshold() -> int:
 
     Those skip reading each destination cache line before overwriting it: faster for copies
     larger than the CPU's cache, slower for ones the next op would read from the cache. The
-    default is the size of the CPU's last-level cache (Linux sysfs, cpu0), 32 MiB where it
-    cannot be read."""
+    default is the size of the CPU's last-level cache (Linux sysfs, cpu0) up to 96 MiB (a VM
+    may list its whole socket's cache), 32 MiB where it cannot be read."""
     return _compiled_module("streaming_store_threshold").streaming_store_threshold()
 
 

@@ -67,8 +67,8 @@ CopyPlan plan_gather_copy_out(const at::Tensor& gathered, const at::Tensor& out,
 void run_plan_cpu(const CopyPlan& plan);
 
 // CPU plans whose destination holds at least this many bytes use non-temporal stores (x86-64
-// builds; elsewhere never). Default: the last-level cache's size (Linux sysfs, cpu0), 32 MiB
-// where it cannot be read. The setter returns the previous value.
+// builds; elsewhere never). Default: the last-level cache's size (Linux sysfs, cpu0) up to
+// 96 MiB, 32 MiB where it cannot be read. The setter returns the previous value.
 int64_t streaming_store_threshold();
 int64_t set_streaming_store_threshold(int64_t bytes);
 // The default for a machine whose sysfs cpu directory is `cpu_dir`.

@@ -30,12 +30,17 @@ constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
 
 // Destinations of at least this many bytes are written with non-temporal (streaming) stores:
 // they skip reading every destination line into the cache before overwriting it, but leave
-// nothing in the cache for the next reader. On the CPU of docs/benchmarks.md (32 MiB L3) they
-// lost up to 16 MiB (1.1-2.1x the time of cached stores) and won from 32 MiB (0.8-0.9x; with
-// a read of the whole destination after it, 0.9-1.1x at 32 MiB and 0.9x at 64 MiB):
+// nothing in the cache for the next reader. On an AMD EPYC with a 32 MiB L3 they lost up to
+// 16 MiB (1.1-2.1x the time of cached stores) and won from 32 MiB (0.8-0.9x; with a read of
+// the whole destination after it, 0.9-1.1x at 32 MiB and 0.9x at 64 MiB):
 // benchmarks/streaming_threshold.py. So the default is the last-level cache's size, as
 // glibc's memcpy also derives its non-temporal threshold from it; 32 MiB where unknown.
+// But sysfs may list a cache the process only gets a slice of: an Intel Xeon VM listed the
+// socket's 480 MiB L3, and there streaming stores won from 96 MiB in every case, whether the
+// destination was still cached (cached stores won up to 64 MiB) or not (streaming won from
+// 4 MiB). So a listed cache counts up to 96 MiB (docs/benchmarks.md).
 constexpr int64_t kFallbackStreamingThreshold = int64_t{32} << 20;
+constexpr int64_t kLargestTrustedCache = int64_t{96} << 20;
 constexpr int64_t kSmallestCredibleCache = int64_t{1} << 20;  // below: a misread, not a cache
 
 std::atomic<int64_t> streaming_threshold_bytes{
@@ -237,7 +242,8 @@ void copy_run(const CopySegment& seg, int64_t begin, int64_t end, const CopyPlan
 
 int64_t default_streaming_store_threshold(const std::string& cpu_dir) {
   const int64_t cache = last_level_cache_bytes(cpu_dir);
-  return cache >= kSmallestCredibleCache ? cache : kFallbackStreamingThreshold;
+  if (cache < kSmallestCredibleCache) return kFallbackStreamingThreshold;
+  return std::min(cache, kLargestTrustedCache);
 }
 
 void run_plan_cpu(const CopyPlan& plan) {
