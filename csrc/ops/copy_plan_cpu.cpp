@@ -37,8 +37,8 @@ constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
 // glibc's memcpy also derives its non-temporal threshold from it; 32 MiB where unknown.
 // But sysfs may list a cache the process only gets a slice of: an Intel Xeon VM listed the
 // socket's 480 MiB L3, and there streaming stores won from 96 MiB in every case, whether the
-// destination was still cached (cached stores won up to 64 MiB) or not (streaming won from
-// 4 MiB). So a listed cache counts up to 96 MiB (docs/benchmarks.md).
+// destination was still cached (cached stores won up to 32 MiB, 64 MiB was a wash) or not
+// (streaming won from 4 MiB). So a listed cache counts up to 96 MiB (docs/benchmarks.md).
 constexpr int64_t kFallbackStreamingThreshold = int64_t{32} << 20;
 constexpr int64_t kLargestTrustedCache = int64_t{96} << 20;
 constexpr int64_t kSmallestCredibleCache = int64_t{1} << 20;  // below: a misread, not a cache
