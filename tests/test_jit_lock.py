@@ -183,14 +183,17 @@ def test_import_warns_about_a_stale_lock_only(tmp_path):
 
 @pytest.mark.skipif(not torch_build_lock_is_a_file_baton(),
                     reason="this torch locks JIT builds with an OS lock, which a killed build cannot leave held")
-def test_command_line_as_setup_env_runs_it(tmp_path):
-    """The command scripts/setup_env.sh runs: exit codes, and no runpy warning on the way."""
+@pytest.mark.parametrize("spelling", [["-m", "zero_lifetime.clear_jit_locks"], ["-mzero_lifetime.clear_jit_locks"]])
+def test_command_line_as_setup_env_runs_it(tmp_path, spelling):
+    """The command scripts/setup_env.sh runs, over the extensions root the environment names:
+    exit codes, and no warning on the way: neither runpy's nor the import's about the very
+    locks the command removes (under -W error either would stop it first)."""
     killed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", age_s=3600)
-    command = [sys.executable, "-W", "error::RuntimeWarning", "-m", "zero_lifetime.clear_jit_locks", "--root",
-               str(tmp_path)]
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "empty"))  # the import's own check finds nothing
+    command = [sys.executable, "-W", "error::RuntimeWarning", *spelling]
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="600")
     check = subprocess.run(command + ["--check"], env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 1 and str(killed / "lock") in check.stdout, check.stdout + check.stderr
+    assert "Warning" not in check.stderr, check.stderr
     clear = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert clear.returncode == 0 and not (killed / "lock").exists(), clear.stdout + clear.stderr
     assert "Warning" not in clear.stderr, clear.stderr

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 JIT_LOCK_TIMEOUT_ENV = "ZERO_LIFETIME_JIT_LOCK_TIMEOUT"
+SWEEP_MODULE = "zero_lifetime.clear_jit_locks"
 _DEFAULT_JIT_LOCK_TIMEOUT_S = 600.0
 
 
@@ -128,9 +130,21 @@ def describe_stale(stale: List[Tuple[Path, float]]) -> str:
             f"Remove them with `python -m zero_lifetime.clear_jit_locks`")
 
 
+def _running_the_sweep() -> bool:
+    """Whether this process is ``python -m zero_lifetime.clear_jit_locks``: runpy imports the
+    package, and so its warning, before the command runs."""
+    argv = getattr(sys, "orig_argv", ())
+    return any(arg == "-m" + SWEEP_MODULE or (arg == "-m" and after == SWEEP_MODULE)
+               for arg, after in zip(argv, [*argv[1:], ""]))
+
+
 def warn_if_stale() -> None:
     """One warning naming the stale locks, if any: ``import zero_lifetime`` comes before
-    ``deepspeed.initialize``, which would otherwise hang on them without a word."""
+    ``deepspeed.initialize``, which would otherwise hang on them without a word. Not in the
+    command that removes them: it would tell the user to run itself, and under
+    ``-W error`` the warning would stop it before it removed anything."""
+    if _running_the_sweep():
+        return
     stale = stale_locks_here()
     if stale:
         import warnings
