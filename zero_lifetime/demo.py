@@ -10,7 +10,6 @@ side by side; the full tables come from that command).
 """
 
 import copy
-import logging
 
 from .single_rank import single_rank_env
 
@@ -23,7 +22,9 @@ def main() -> int:
 
     import zero_lifetime
 
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from .bench.engines import quiet_deepspeed
+
+    quiet_deepspeed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
                                 torch.nn.Linear(32, 8))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 
 import torch
 
@@ -17,8 +18,12 @@ def prepare_process(device: str) -> None:
 
 
 def quiet_deepspeed() -> None:
+    """DeepSpeed's info logging off, and torch's deprecation notes for the collectives
+    DeepSpeed itself calls (nothing a user of this process can change)."""
     import deepspeed  # noqa: F401  (its import sets the logger's level; lower it afterwards)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 class ParamBlock(torch.nn.Module):
