@@ -11,7 +11,7 @@ sources = [torch.randn(numel).to(dtype) for _ in range(n)]
 flat = torch.randn(n * numel).to(dtype)
 gaps = [sources[i+1].data_ptr() - sources[i].data_ptr() for i in range(50)]
 print("address gaps (first 50):", sorted(set(gaps))[:10])
-variants = [0, 4, 8, 16]
+variants = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "0,4,8,16").split(",")]  # lines to prefetch
 res = {v: {"total": [], "run": []} for v in variants}
 roof = []
 for r in range(40):
