@@ -23,6 +23,8 @@ TRAINING = [sc for sc in worker.SCENARIOS if sc["kind"] in ("steps", "penalty")]
 SANITY = [sc for sc in TRAINING if sc["id"].startswith("sanity-")]
 RETAINED = [sc for sc in TRAINING if not sc["id"].startswith("sanity-")]
 STAGE3 = [sc for sc in TRAINING if sc["stage"] == 3 and sc["install"]]
+# ZeRO-3 with param offload or ZeRO++'s hpZ (their zero_optimization settings).
+ZERO3_VARIANTS = [sc for sc in STAGE3 if sc["zero"]]
 STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock"]
 MULTITASK = [sc for sc in worker.SCENARIOS if sc["kind"] == "multitask"]
 FP16 = [sc for sc in worker.SCENARIOS if sc["kind"] == "fp16"]
@@ -73,6 +75,18 @@ def test_stage3_releases_everything(results, sc):
         assert record["non_empty_released"] == [], f"rank {rank}: NOT_AVAILABLE with data.numel() != 0"
         if sc["policy"] == "pin" and record["n_non_persistent"] > 0:
             assert stats["peak_pinned_bytes"] > 0, f"rank {rank}: policy pin never pinned: {stats}"
+
+
+@pytest.mark.parametrize("sc", ZERO3_VARIANTS, ids=_ids(ZERO3_VARIANTS))
+def test_stage3_variants_take_the_fused_gather(results, sc):
+    """Param offload and hpZ change where shards live and which group gathers them; the fused
+    copy-out still covers every gather (its layout check would send others to the stock wait),
+    and with hpZ the backward really had secondary shards to gather from."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        stats = record["stats"]
+        assert stats["fused_gathers"] > 0 and stats["stock_gathers"] == 0, f"rank {rank}: {stats}"
+        if "zero_hpz_partition_size" in sc["zero"]:
+            assert record["secondary_tensors"] > 0, f"rank {rank}: no param had an hpZ secondary shard"
 
 
 @pytest.mark.parametrize("sc", MULTITASK, ids=_ids(MULTITASK))

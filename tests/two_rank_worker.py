@@ -42,12 +42,13 @@ CONTROL_TIMEOUT_S = 45
 
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
-              persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False):
+              persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
-    ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made)."""
+    ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
+    ``zero``: more zero_optimization settings (param offload, ZeRO++)."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
-                gas=gas, zero_init=zero_init)
+                gas=gas, zero_init=zero_init, zero=zero or {})
 
 
 def _build_scenarios():
@@ -84,6 +85,20 @@ def _build_scenarios():
             for zero_grad in (True, False):
                 sid = f"two-stage3-{model}-zero_init-{policy}-engine-{zg_ids[zero_grad]}"
                 out.append(_scenario(sid, "steps", 3, "engine", zero_grad, policy, model, zero_init=True))
+    # ZeRO-3 settings that change where params live or how they are gathered: param offload
+    # to the CPU (ZeRO-Offload / ZeRO-Infinity, alone and with optimizer offload) and ZeRO++'s
+    # hierarchical partitioning (hpZ: a secondary shard per node group that the backward
+    # gathers from). ZeRO++'s quantized weights (qwZ) have no CPU kernel in DeepSpeed.
+    zero3_variants = {"offload_param": {"offload_param": {"device": "cpu"}},
+                      "offload_param_and_optimizer": {"offload_param": {"device": "cpu"},
+                                                      "offload_optimizer": {"device": "cpu"}},
+                      "hpz2": {"zero_hpz_partition_size": 2}}
+    for variant, zero in zero3_variants.items():
+        for model, policy, path, zero_grad in (("mlp_norm", "regather", "engine", False),
+                                               ("tied_lm", "pin", "engine", True),
+                                               ("tied_lm", "regather", "manual", False)):
+            sid = f"two-stage3-{model}-{variant}-{policy}-{path}-{zg_ids[zero_grad]}"
+            out.append(_scenario(sid, "steps", 3, path, zero_grad, policy, model, zero=zero))
     for policy in ("regather", "pin"):
         for path in ("engine", "manual"):
             out.append(_scenario(f"penalty-stage3-{policy}-{path}", "penalty", 3, path, policy=policy))
@@ -114,6 +129,9 @@ def _build_scenarios():
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
     out.append(_scenario("stock-stage3-zero_init-no-install", "stock", 3, "engine", True, install=False,
                          zero_init=True))
+    for variant in ("offload_param", "hpz2"):
+        out.append(_scenario(f"stock-stage3-{variant}-no-install", "stock", 3, "engine", True, install=False,
+                             zero=zero3_variants[variant]))
     if _torch_style_backward():
         return out
     # 0.17.6 refuses a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
@@ -184,7 +202,10 @@ def _engine_step(engine, sc, step, backwards, rank):
         engine.backward(loss) if sc["path"] == "engine" else loss.backward()
     else:
         two_backwards(engine, engine(x), sc["path"], sc["zero_grad"])
+    # hpZ keeps a secondary shard from the forward until the step: count them before it goes.
+    secondary = sum(getattr(p, "ds_secondary_tensor", None) is not None for p in engine.module.parameters())
     engine.step()
+    return secondary
 
 
 def _at_boundary(sc, step):
@@ -260,7 +281,7 @@ def _run_training(sc, rank):
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = LR[sc["model"]]
     offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
-    cfg = ds_config(sc["stage"], sc["persistence"], lr=lr, gas=sc["gas"], **offload)
+    cfg = ds_config(sc["stage"], sc["persistence"], lr=lr, gas=sc["gas"], **offload, **sc.get("zero", {}))
     if sc["zero_init"]:
         model = _built_in_zero_init(sc["model"], cfg, initial)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, device_ids=None)
@@ -270,8 +291,9 @@ def _run_training(sc, rank):
     if sc["install"]:
         zero_lifetime.install(engine, policy=sc["policy"])
 
+    secondary = 0
     for step, backwards in enumerate(sc["schedule"]):
-        _engine_step(engine, sc, step, backwards, rank)
+        secondary = max(secondary, _engine_step(engine, sc, step, backwards, rank))
         _ddp_step(ddp, ddp_opt, sc, step, backwards, rank)
         _allreduce_step(ar_model, ar_opt, sc, step, backwards, rank)
 
@@ -283,6 +305,7 @@ def _run_training(sc, rank):
         record["gathered_non_persistent"] = gathered
         record["non_empty_released"] = inconsistent
         record["n_non_persistent"] = sum(not getattr(p, "ds_persist", False) for p in engine.module.parameters())
+        record["secondary_tensors"] = secondary
     want = {n: p.detach() for n, p in ddp_model.named_parameters()}
     record["abs_diff"], record["tol_excess"] = _compare(full_weights(engine), want)
     record["oracle_abs_diff"], record["oracle_tol_excess"] = _compare(
@@ -322,7 +345,7 @@ def _run_stock(sc, rank):
 
     torch.manual_seed(0)
     model = MODELS[sc["model"]]()
-    cfg = ds_config(3, sc["persistence"], lr=LR[sc["model"]])
+    cfg = ds_config(3, sc["persistence"], lr=LR[sc["model"]], **sc.get("zero", {}))
     if sc["zero_init"]:
         model = _built_in_zero_init(sc["model"], cfg, {n: p.detach() for n, p in model.named_parameters()})
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
