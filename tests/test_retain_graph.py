@@ -417,3 +417,30 @@ def test_gradient_accumulation_unchanged(stage, retained_last):
         ref_opt.step()
         ref_opt.zero_grad()
     assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_save_16bit_model_between_retained_backwards(tmp_path, policy):
+    """ZeRO-3's consolidated save (what the HF Trainer calls with
+    stage3_gather_16bit_weights_on_model_save) gathers every param outside any forward. Saved
+    between two backwards of one retained graph, the file holds torch's weights, and the second
+    backward and the step still match torch."""
+    engine, reference, ref_opt = make_pair("tied_lm", 3, stage3_gather_16bit_weights_on_model_save=True)
+    zero_lifetime.install(engine, policy=policy)
+    x = make_input("tied_lm", 0)
+    _run_steps(engine, reference, ref_opt, "tied_lm", [2], PLAIN_PATH, zero_grad=False)
+    l1, l2 = losses(engine(x))
+    r1, r2 = losses(reference(x))
+    engine.backward(l1, retain_graph=True) if PLAIN_PATH == "engine" else l1.backward(retain_graph=True)
+    engine.save_16bit_model(str(tmp_path), "mid.bin")
+    _backward(engine, l2)
+    engine.step()
+    saved = torch.load(tmp_path / "mid.bin")
+    for name, want in reference.named_parameters():  # the reference has not stepped yet
+        torch.testing.assert_close(saved[name], want.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    r1.backward(retain_graph=True)
+    r2.backward()
+    ref_opt.step()
+    assert_weights_match(engine, reference)
+    gc.collect()
+    assert released_state(engine) == ([], [])
