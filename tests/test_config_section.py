@@ -56,8 +56,18 @@ def test_unknown_keys_are_named():
     ({"policy": "keep"}, r'"zero_lifetime" config section: policy must be one of'),
     ({"max_pinned_bytes": -5}, r'"zero_lifetime" config section: max_pinned_bytes must be'),
     ({"strict": "yes"}, r'"zero_lifetime" config section: strict must be true or false'),
+    ({"check_bucket_order": 1}, r'"zero_lifetime" config section: check_bucket_order must be true or false'),
     ("pin", r'"zero_lifetime" section must be an object'),
 ])
 def test_bad_values_say_where_they_come_from(section, match):
     with pytest.raises(ValueError, match=match):
         zero_lifetime.install(_engine(section))
+
+
+def test_bucket_order_check_is_off_on_one_rank_and_can_be_turned_off():
+    """On one rank there is nothing to compare: no check, no collective per backward."""
+    assert zero_lifetime.install(_engine(stage=2)).bucket_fill.order_check is None
+    installation = zero_lifetime.install(_engine({"check_bucket_order": False}, stage=2))
+    assert installation.bucket_fill.order_check is None
+    with pytest.raises(ValueError, match="check_bucket_order must be true or false"):
+        zero_lifetime.install(_engine(stage=2), check_bucket_order="no")

@@ -28,6 +28,9 @@ ZERO3_VARIANTS = [sc for sc in STAGE3 if sc["zero"]]
 STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock"]
 MULTITASK = [sc for sc in worker.SCENARIOS if sc["kind"] == "multitask"]
 FP16 = [sc for sc in worker.SCENARIOS if sc["kind"] == "fp16"]
+BUCKET_ORDER = [sc for sc in worker.SCENARIOS if sc["kind"] == "bucket_order"]
+ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"]]
+ORDER_UNCHECKED = [sc for sc in BUCKET_ORDER if not sc["check"]]
 
 
 def _ids(scenarios):
@@ -123,6 +126,28 @@ def test_multitask_bf16_offload_equals_no_offload(results, stage):
         for name in want:
             torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]), atol=1e-6, rtol=0,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("sc", ORDER_CHECKED, ids=_ids(ORDER_CHECKED))
+def test_bucket_order_mismatch_raises_on_every_rank_and_drops_the_mixed_step(results, sc):
+    """Rank 1 runs the heads in another order in the first step: both ranks raise, naming
+    the params, and the next steps train as DDP over those steps alone."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        first, *rest = record["raised"]
+        assert first is not None and "heads.2" in first and "heads.0" in first, f"rank {rank}: {first}"
+        assert rest == [None, None], f"rank {rank}: {rest}"
+        assert record["order_checks"] == len(record["raised"]), f"rank {rank}: {record['order_checks']}"
+        bad = {n: d for n, d in record["abs_diff"].items() if not d <= 1e-5}
+        assert not bad, f"rank {rank}: engine weights differ from DDP: {bad}"
+
+
+@pytest.mark.parametrize("sc", ORDER_UNCHECKED, ids=_ids(ORDER_UNCHECKED))
+def test_bucket_order_mismatch_unchecked_trains_silently_wrong(results, sc):
+    """The controls: stock DeepSpeed, and the check turned off, take every step without an
+    error, and the heads end up off DDP (what the check exists for)."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert record["raised"] == [None, None, None], f"rank {rank}: {record['raised']}"
+        assert max(record["abs_diff"].values()) > 1e-3, f"rank {rank}: {record['abs_diff']}"
 
 
 @pytest.mark.parametrize("sc", STOCK, ids=_ids(STOCK))

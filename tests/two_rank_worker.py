@@ -125,6 +125,20 @@ def _build_scenarios():
             for zero_grad in (True, False):
                 sid = f"fp16-stage{stage}-{'offload' if offload else 'no_offload'}-{zg_ids[zero_grad]}"
                 out.append(dict(id=sid, kind="fp16", stage=stage, offload=offload, zero_grad=zero_grad))
+    # ZeRO-1/2 with the heads run in another order on rank 1 in the first step (same-sized
+    # buckets, different params in each slot): installed, every rank raises and drops the
+    # mixed gradients, and the next steps train as DDP over those steps alone. The controls,
+    # the check turned off and stock DeepSpeed, train on silently off DDP.
+    for stage in (1, 2):
+        for offload in (False, True):
+            for path in ("engine", "manual"):
+                sid = f"bucket_order-stage{stage}-{'offload' if offload else 'no_offload'}-{path}"
+                out.append(dict(id=sid, kind="bucket_order", stage=stage, offload=offload, path=path, check=True,
+                                install=True))
+        out.append(dict(id=f"bucket_order-stage{stage}-check_off", kind="bucket_order", stage=stage, offload=False,
+                        path="engine", check=False, install=True))
+        out.append(dict(id=f"bucket_order-stage{stage}-no-install", kind="bucket_order", stage=stage, offload=False,
+                        path="engine", check=False, install=False))
     # Last: a failing backward may leave DeepSpeed's global state odd.
     out.append(_scenario("stock-stage3-no-install", "stock", 3, "engine", True, install=False))
     out.append(_scenario("stock-stage3-zero_init-no-install", "stock", 3, "engine", True, install=False,
@@ -393,7 +407,48 @@ def _run_fp16(sc, rank):
             "want_scale_and_skips": [scale, skipped]}
 
 
+# Tasks per step (their forward order) on each rank: the first step differs between ranks.
+BUCKET_ORDER_TASKS = {0: [(0, 2), (0, 2), (1, 2)], 1: [(2, 0), (0, 2), (1, 2)]}
+
+
+def _run_bucket_order(sc, rank):
+    import multitask as mt
+    import torch
+    import zero_lifetime
+
+    model, reference = mt.make_models()
+    engine = mt.build_engine(model, sc["stage"], "sampled", sc["offload"], "fp32")
+    if sc["install"]:
+        zero_lifetime.install(engine, check_bucket_order=sc["check"])
+    opt = torch.optim.SGD(reference.parameters(), lr=mt.LR)
+    raised = []
+    for step, tasks in enumerate(BUCKET_ORDER_TASKS[rank]):
+        xs = mt.batches(step, rank)
+        loss = sum(mt.task_loss(engine(xs[t], t)) for t in tasks)
+        try:
+            engine.backward(loss) if sc["path"] == "engine" else loss.backward()
+        except zero_lifetime.RanksDisagreeError as exc:
+            raised.append(str(exc))
+            continue  # no step: the error dropped this step's gradients
+        raised.append(None)
+        engine.step()
+        # The oracle: DDP's semantics (a gradient missing on a rank counts as zero), for
+        # the steps the engine took.
+        sum(mt.task_loss(reference(xs[t], t)) for t in tasks).backward()
+        for p in reference.parameters():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.distributed.all_reduce(grad)
+            p.grad = grad / WORLD
+        opt.step()
+        opt.zero_grad()
+    stats = zero_lifetime.stats(engine) if sc["install"] else {}
+    return {"abs_diff": mt.max_differences(engine, reference), "raised": raised,
+            "order_checks": stats.get("bucket_order_checks")}
+
+
 def _run_scenario(sc, rank):
+    if sc["kind"] == "bucket_order":
+        return _run_bucket_order(sc, rank)
     if sc["kind"] == "multitask":
         return _run_multitask(sc, rank)
     if sc["kind"] == "fp16":

@@ -17,6 +17,16 @@ def current_graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def run_after_backward(callback: Callable[[], None]) -> None:
+    """``callback()`` once the running backward's queued callbacks (DeepSpeed's epilogue
+    among them) have run, so an exception it raises leaves their state complete; now where
+    no backward runs."""
+    if current_graph_task() == -1:
+        callback()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 class BackwardScope:
 
     def __init__(self, on_start: Callable[[], None], on_end: Callable[[], None]):

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 SECTION = "zero_lifetime"
 POLICIES = ("regather", "pin")
-DEFAULTS: Dict[str, Any] = {"policy": "regather", "max_pinned_bytes": -1, "strict": True}
+DEFAULTS: Dict[str, Any] = {"policy": "regather", "max_pinned_bytes": -1, "strict": True, "check_bucket_order": True}
 
 
 def _validate(options: Dict[str, Any], where: str) -> None:
@@ -22,8 +22,9 @@ def _validate(options: Dict[str, Any], where: str) -> None:
         budget = options["max_pinned_bytes"] = int(budget)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < -1:
         raise ValueError(f"{where}max_pinned_bytes must be an int >= 0, or -1 for no limit; got {budget!r}")
-    if not isinstance(options["strict"], bool):
-        raise ValueError(f"{where}strict must be true or false, got {options['strict']!r}")
+    for flag in ("strict", "check_bucket_order"):
+        if not isinstance(options[flag], bool):
+            raise ValueError(f"{where}{flag} must be true or false, got {options[flag]!r}")
 
 
 def section_of(raw_config: dict) -> Dict[str, Any]:

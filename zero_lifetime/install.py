@@ -43,7 +43,7 @@ class StepWithoutBackwardError(TypeError):
 class Installation:
     """What install() patched on one engine, and the state it keeps."""
 
-    def __init__(self, engine, policy: str, max_pinned_bytes: int):
+    def __init__(self, engine, policy: str, max_pinned_bytes: int, check_bucket_order: bool = True):
         from .adapters.engine_backward import make_engine_backward
         from .adapters.zero_optimizer import require_zero_optimizer
 
@@ -74,12 +74,12 @@ class Installation:
         self.accumulation = self.bucket_fill = self.window = None
         try:
             self.backward = make_engine_backward(engine)
-            self._install_components(engine, policy, max_pinned_bytes)
+            self._install_components(engine, policy, max_pinned_bytes, check_bucket_order)
         except BaseException:
             self.restore()  # never leave an engine half-patched
             raise
 
-    def _install_components(self, engine, policy, max_pinned_bytes) -> None:
+    def _install_components(self, engine, policy, max_pinned_bytes, check_bucket_order) -> None:
         from .grad_hook_guard import GradHookGuard
         from .micro_step_window import MicroStepWindow
         from .tracker import make_tracker
@@ -95,7 +95,9 @@ class Installation:
             from .grad_accumulation import Zero12Accumulation
             from .zero12_bucket_fill import Zero12BucketFill
             self.accumulation = Zero12Accumulation(engine.optimizer)
-            self.bucket_fill = Zero12BucketFill(engine.optimizer)
+            self.bucket_fill = Zero12BucketFill(engine.optimizer, engine.module.named_parameters(),
+                                                on_order_mismatch=self._drop_mixed_gradients if check_bucket_order
+                                                else None)
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
         self.reporter = StatsReporter(engine, self.stats)
@@ -176,19 +178,27 @@ class Installation:
         return backward
 
     def _zero_grad(self, original):
+        self._stock_zero_grad = original
 
         def zero_grad(*args, **kwargs):
             self.recover_if_backward_died()
-            if self.accumulation is not None:
-                self.accumulation.forget_window()
-            result = original(*args, **kwargs)
-            # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
-            # optimizer holds must go too, or a following backward would add to them.
-            self.backward.clear_reduced_grads()
-            self.window.grads_cleared()
-            return result
+            return self._drop_window_gradients(original, *args, **kwargs)
 
         return zero_grad
+
+    def _drop_window_gradients(self, stock_zero_grad, *args, **kwargs):
+        if self.accumulation is not None:
+            self.accumulation.forget_window()
+        result = stock_zero_grad(*args, **kwargs)
+        # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
+        # optimizer holds must go too, or a following backward would add to them.
+        self.backward.clear_reduced_grads()
+        self.window.grads_cleared()
+        return result
+
+    def _drop_mixed_gradients(self) -> None:
+        """The ranks reduced different bucket layouts: every sum of the window is mixed."""
+        self._drop_window_gradients(self._stock_zero_grad)
 
     def _step(self, original):
 
@@ -374,8 +384,10 @@ class Installation:
         }
         result["grad_hooks_recreated"] = bool(self.grad_guard.recreated_hooks)
         if self.bucket_fill is not None:
+            check = self.bucket_fill.order_check
             result.update(bucket_fills=self.bucket_fill.fills, filled_grads=self.bucket_fill.fused_grads,
-                          prescaled_fills=self.bucket_fill.prescaled_fills)
+                          prescaled_fills=self.bucket_fill.prescaled_fills,
+                          bucket_order_checks=check.checks if check is not None else 0)
         if self.fused is not None:
             result.update(self.fused.counts)
         if self.lifetime is not None:
@@ -416,18 +428,22 @@ def _tensors_in(value):
 
 
 def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int] = None,
-            strict: Optional[bool] = None):
+            strict: Optional[bool] = None, check_bucket_order: Optional[bool] = None):
     """Install zero_lifetime on a DeepSpeed engine; returns the installation handle.
 
     policy: "regather" (default; memory like stock ZeRO-3, released params are
     gathered again when a retained graph needs them) or "pin" (params stay gathered
     while a live graph references them, up to ``max_pinned_bytes``; -1 = no limit).
     strict=False: on an unrecognised DeepSpeed, warn and patch nothing instead of raising.
+    check_bucket_order (ZeRO-1/2, more than one rank; default True): after each backward,
+    one 16-byte all-reduce checks that every rank reduced the same gradients in the same
+    bucket layout, and raises RanksDisagreeError where DeepSpeed would silently mix them.
     Options not given here come from the DeepSpeed config's "zero_lifetime" section.
     Installing twice returns the same handle.
     """
     _check_engine(engine)
-    given = {"policy": policy, "max_pinned_bytes": max_pinned_bytes, "strict": strict}
+    given = {"policy": policy, "max_pinned_bytes": max_pinned_bytes, "strict": strict,
+             "check_bucket_order": check_bucket_order}
     try:
         raw = raw_config(engine)
     except UnsupportedDeepSpeedError:
@@ -441,7 +457,7 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
         if existing is not None:
             return existing
         try:
-            installation = Installation(engine, policy, max_pinned_bytes)
+            installation = Installation(engine, policy, max_pinned_bytes, options["check_bucket_order"])
         except UnsupportedDeepSpeedError as exc:
             if strict:
                 raise

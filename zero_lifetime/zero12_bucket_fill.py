@@ -13,9 +13,13 @@ applies that factor while copying, and the reduction then skips its division.
 
 Cases DeepSpeed treats specially (non-contiguous gradients, ZenFlow, a gradient larger
 than the bucket) go through its own code unchanged.
+
+With more than one data-parallel rank, every backward also checks that the ranks reduced
+the same bucket layouts (``bucket_order_check``).
 """
 
 from .adapters.zero12_buckets import Zero12Buckets
+from .bucket_order_check import BucketOrderCheck
 from .reserved_fill import Reservations, fill_and_repoint
 
 
@@ -31,13 +35,20 @@ class _Pending(Reservations):
 
 class Zero12BucketFill:
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, named_params=(), on_order_mismatch=None):
+        """``on_order_mismatch``: with more than one rank, each backward checks that the ranks
+        reduced the same bucket layouts, and calls it (to drop the mixed sums) before raising."""
         self.buckets = Zero12Buckets(optimizer)
         self._pending = {}  # comm dtype -> _Pending
         self.fills = 0  # fused fills run (for stats and tests)
         self.fused_grads = 0
         self.prescaled_fills = 0  # fills that also did DeepSpeed's division by the world size
+        order_check = (BucketOrderCheck(self.buckets, named_params, on_order_mismatch)
+                       if on_order_mismatch is not None else None)
+        self.order_check = order_check if order_check is not None and order_check.needed else None
         self.buckets.replace_methods(add=self._add, reduce=self._reduce)
+        if self.order_check is not None:
+            self.buckets.after_epilogue(self.order_check.check)
 
     # ---- DeepSpeed entry points --------------------------------------------------------
 
@@ -60,6 +71,8 @@ class Zero12BucketFill:
     def _reduce(self, comm_dtype=None):
         buckets = self.buckets
         dtypes = buckets.dtypes_reduced_by(comm_dtype)
+        if self.order_check is not None:
+            self.order_check.note_reduction(dtypes)
         if not any(self._can_prescale(dtype) for dtype in dtypes):
             for dtype in dtypes:
                 self._flush(dtype)
@@ -100,6 +113,8 @@ class Zero12BucketFill:
     def discard(self) -> None:
         """A backward died: its reserved slices are stale (the buckets are reset too)."""
         self._pending.clear()
+        if self.order_check is not None:
+            self.order_check.forget()
 
     def restore(self) -> None:
         self.flush_pending()

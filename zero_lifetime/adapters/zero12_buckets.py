@@ -22,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
 from .errors import require
+from .grad_window import EPILOGUE
 from .patching import Patches
 
 _ADD = "reduce_independent_p_g_buckets_and_remove_grads"
@@ -43,6 +44,7 @@ class Zero12Buckets:
             ("get_gradient_for_reduction", "the gradient accessor"),
             ("get_param_comm_dtype", "the communication dtype of a param"),
             ("get_param_id", "the param ids"),
+            ("param_id", "the param id registry"),
             ("params_already_reduced", "the reduced-param flags"),
             ("reduce_bucket_size", "the bucket size"),
             ("contiguous_gradients", "the contiguous_gradients flag"),
@@ -79,6 +81,16 @@ class Zero12Buckets:
         """``add(param, i)`` and ``reduce(comm_dtype=None)`` take over the stock methods."""
         self.stock_add = self._patches.replace(self.optimizer, _ADD, add).original
         self.stock_reduce = self._patches.replace(self.optimizer, _REDUCE, reduce).original
+
+    def after_epilogue(self, callback) -> None:
+        """``callback()`` after each backward's epilogue (its last reduction) returns; undone by restore()."""
+
+        def epilogue(original, *args, **kwargs):
+            result = original(*args, **kwargs)
+            callback()
+            return result
+
+        self._patches.wrap(self.optimizer, EPILOGUE, epilogue)
 
     def restore(self) -> None:
         self._patches.undo()
@@ -184,6 +196,28 @@ class Zero12Buckets:
         if not self.per_dtype_reduce and opt.overlap_comm and self.has_streams:
             opt.reduction_stream.wait_stream(self.current_stream())
             self.current_stream().wait_stream(opt.reduction_stream)
+
+    # ---- the layout every rank must share ----------------------------------------------
+
+    def layouts(self, dtypes):
+        """Each non-empty bucket of ``dtypes`` as (dtype name, its entries in slot order).
+        An entry names one param the same way on every rank: (group, index in group, param id)."""
+        buckets = self.optimizer.ipg_buckets
+        return [(str(dtype), tuple(buckets[dtype].params)) for dtype in dtypes if buckets[dtype].params]
+
+    def param_names(self, named_params):
+        """param id (the third field of a layout entry) -> name, for the params the optimizer manages."""
+        opt = self.optimizer
+        managed = opt.param_id
+        return {opt.get_param_id(p): name for name, p in named_params if id(p) in managed}
+
+    def data_parallel_group(self):
+        return self.optimizer.dp_process_group
+
+    @staticmethod
+    def collective_device():
+        """Where this accelerator's collectives take tensors (gloo: the CPU)."""
+        return get_accelerator().current_device_name()
 
     def sorted_dtypes(self):
         return self._sort_dtypes(self.optimizer.ipg_buckets.keys())  # DeepSpeed's reduction order
