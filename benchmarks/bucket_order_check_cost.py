@@ -29,6 +29,9 @@ def _rank(rank, port, n, calls=300):
         def data_parallel_group(self):
             return None
 
+        def data_parallel_world_size(self):
+            return dist.get_world_size()
+
         def param_names(self, named_params):
             return {}
 

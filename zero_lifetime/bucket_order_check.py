@@ -37,14 +37,10 @@ class BucketOrderCheck:
         self.buckets = buckets
         self._on_mismatch = on_mismatch
         self.group = buckets.data_parallel_group()
-        self.world_size = dist.get_world_size(group=self.group)
+        self.world_size = buckets.data_parallel_world_size()
         self._names = buckets.param_names(named_params)
         self._layouts = []  # (dtype name, entries) per reduced bucket, this backward
         self.checks = 0
-
-    @property
-    def needed(self) -> bool:
-        return self.world_size > 1
 
     def note_reduction(self, dtypes) -> None:
         """Before DeepSpeed reduces the buckets of ``dtypes``."""

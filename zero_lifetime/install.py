@@ -178,27 +178,23 @@ class Installation:
         return backward
 
     def _zero_grad(self, original):
-        self._stock_zero_grad = original
 
         def zero_grad(*args, **kwargs):
             self.recover_if_backward_died()
-            return self._drop_window_gradients(original, *args, **kwargs)
+            if self.accumulation is not None:
+                self.accumulation.forget_window()
+            result = original(*args, **kwargs)
+            # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
+            # optimizer holds must go too, or a following backward would add to them.
+            self.backward.clear_reduced_grads()
+            self.window.grads_cleared()
+            return result
 
         return zero_grad
 
-    def _drop_window_gradients(self, stock_zero_grad, *args, **kwargs):
-        if self.accumulation is not None:
-            self.accumulation.forget_window()
-        result = stock_zero_grad(*args, **kwargs)
-        # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
-        # optimizer holds must go too, or a following backward would add to them.
-        self.backward.clear_reduced_grads()
-        self.window.grads_cleared()
-        return result
-
     def _drop_mixed_gradients(self) -> None:
         """The ranks reduced different bucket layouts: every sum of the window is mixed."""
-        self._drop_window_gradients(self._stock_zero_grad)
+        self.engine.zero_grad()  # the patched one: the window's sums go too
 
     def _step(self, original):
 

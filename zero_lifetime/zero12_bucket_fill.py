@@ -37,15 +37,16 @@ class Zero12BucketFill:
 
     def __init__(self, optimizer, named_params=(), on_order_mismatch=None):
         """``on_order_mismatch``: with more than one rank, each backward checks that the ranks
-        reduced the same bucket layouts, and calls it (to drop the mixed sums) before raising."""
+        reduced the same bucket layouts, and calls it (to drop the mixed sums) before raising.
+        On one rank there is nothing to compare: no check is built."""
         self.buckets = Zero12Buckets(optimizer)
         self._pending = {}  # comm dtype -> _Pending
         self.fills = 0  # fused fills run (for stats and tests)
         self.fused_grads = 0
         self.prescaled_fills = 0  # fills that also did DeepSpeed's division by the world size
-        order_check = (BucketOrderCheck(self.buckets, named_params, on_order_mismatch)
-                       if on_order_mismatch is not None else None)
-        self.order_check = order_check if order_check is not None and order_check.needed else None
+        self.order_check = None
+        if on_order_mismatch is not None and self.buckets.data_parallel_world_size() > 1:
+            self.order_check = BucketOrderCheck(self.buckets, named_params, on_order_mismatch)
         self.buckets.replace_methods(add=self._add, reduce=self._reduce)
         if self.order_check is not None:
             self.buckets.after_epilogue(self.order_check.check)

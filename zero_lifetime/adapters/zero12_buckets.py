@@ -214,6 +214,9 @@ class Zero12Buckets:
     def data_parallel_group(self):
         return self.optimizer.dp_process_group
 
+    def data_parallel_world_size(self) -> int:
+        return dist.get_world_size(group=self.optimizer.dp_process_group)
+
     @staticmethod
     def collective_device():
         """Where this accelerator's collectives take tensors (gloo: the CPU)."""
@@ -230,8 +233,7 @@ class Zero12Buckets:
                 and comm_dtype not in opt.extra_large_param_to_reduce and self.average_factor() != 1.0)
 
     def average_factor(self) -> float:
-        opt = self.optimizer
-        return float(opt.sequence_parallel_size) / dist.get_world_size(group=opt.dp_process_group)
+        return float(self.optimizer.sequence_parallel_size) / self.data_parallel_world_size()
 
     @contextlib.contextmanager
     def division_skipped(self, skip: bool):
