@@ -92,8 +92,10 @@ class Installation:
             self.fused = Zero3FusedCopies(engine)
             self.lifetime = Zero3Lifetime(engine, self.tracker)
         else:
+            from .adapters.zero12_flat_buffers import detach_flat_buffers
             from .grad_accumulation import Zero12Accumulation
             from .zero12_bucket_fill import Zero12BucketFill
+            detach_flat_buffers(engine.optimizer)  # DeepSpeed 0.18.9: else step() fails on >= 2 gloo ranks
             self.accumulation = Zero12Accumulation(engine.optimizer)
             self.bucket_fill = Zero12BucketFill(engine.optimizer, engine.module.named_parameters(),
                                                 on_order_mismatch=self._drop_mixed_gradients if check_bucket_order

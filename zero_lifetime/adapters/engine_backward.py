@@ -2,7 +2,7 @@
 
 Two protocols exist among the supported releases, told apart by probing:
 
-* hooked (0.19.8, ``engine_backward_hooked``): the prologue runs from hooks on the
+* hooked (0.19.8 and 0.18.9, ``engine_backward_hooked``): the prologue runs from hooks on the
   forward outputs and the epilogue from a queued autograd callback, so a plain
   ``loss.backward()`` works; a second backward over a retained graph gets neither
   unless they are re-armed, and the micro step advances only at the next forward.

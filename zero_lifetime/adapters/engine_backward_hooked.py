@@ -1,4 +1,4 @@
-"""The hooked backward protocol (DeepSpeed 0.19.8): prologue/epilogue hooks, micro steps.
+"""The hooked backward protocol (DeepSpeed 0.19.8 and 0.18.9): prologue/epilogue hooks, micro steps.
 
 DeepSpeed runs its backward prologue from hooks on the forward outputs
 (``OutputBackwardHookManager``) at most once per forward, and queues its epilogue

@@ -1,6 +1,6 @@
 """Version errors shared by the adapters."""
 
-SUPPORTED_DEEPSPEED_VERSIONS = ("0.17.6", "0.19.8")
+SUPPORTED_DEEPSPEED_VERSIONS = ("0.17.6", "0.18.9", "0.19.8")
 
 
 class UnsupportedDeepSpeedError(RuntimeError):

@@ -12,7 +12,7 @@ names probed here:
   earlier one, and step() applies that again (ZeRO-3, and ZeRO-1/2 with offload).
 
 0.19.8 defers the offload boundary copy to ``_finalize_*offload_gradient_accumulation``
-over a window id set, which is reused here. 0.17.6 has no such finalizer (it copies per
+over a window id set, which is reused here. 0.17.6 and 0.18.9 have no such finalizer (they copy per
 param as each is reduced): ``offload_window_legacy`` does that copy there.
 """
 

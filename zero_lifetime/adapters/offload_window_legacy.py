@@ -1,4 +1,4 @@
-"""CPU-offload gradient accumulation on DeepSpeed 0.17.6, which has no deferred finalizer.
+"""CPU-offload gradient accumulation on DeepSpeed 0.17.6 and 0.18.9, which have no deferred finalizer.
 
 0.17.6 copies an offloaded gradient into the fp32 optimizer buffer as each param is
 reduced in the boundary backward, and keeps earlier micro-steps in accumulators:

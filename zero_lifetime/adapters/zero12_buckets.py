@@ -1,17 +1,20 @@
-"""ZeRO-1/2 IPG bucket internals (stage_1_and_2.py of DeepSpeed 0.19.8 and 0.17.6).
+"""ZeRO-1/2 IPG bucket internals (stage_1_and_2.py of DeepSpeed 0.19.8, 0.18.9 and 0.17.6).
 
 The bucket state lives in ``optimizer.ipg_buckets[comm_dtype]`` (``buffer`` list,
 ``index``, ``elements``, ``params``, ``grads``); ``reduce_independent_p_g_buckets_and_remove_grads``
 adds one param's gradient and ``reduce_ipg_grads`` reduces bucket contents.
 
-What 0.17.6 lacks, probed here (``per_dtype_reduce`` tells which protocol runs):
+Three features came in different releases; each is probed on its own:
 
-* ``reduce_ipg_grads(comm_dtype=...)`` (0.18.5): 0.17.6 reduces every dtype's bucket in one call;
-* the offload stream safety (``_offload_gradient_safety_enabled``, ``_record_gradient_stream``,
-  ``_record_bucket_producer``, per-bucket ``copy_streams`` / ``reuse_events``): 0.17.6 instead
-  makes the reduction and current streams wait on each other after an overflow flush;
-* ``gradient_average`` honoured by ``average_tensor``'s reduce-scatter division: 0.17.6 always
-  divides, so the fill never applies the division itself there.
+* ``reduce_ipg_grads(comm_dtype=...)`` (``per_dtype_reduce``; 0.18.9 and 0.19.8): 0.17.6
+  reduces every dtype's bucket in one call and then makes the reduction and current streams
+  wait on each other after an overflow flush;
+* the offload stream safety (``stream_safety``; 0.19.8: ``_offload_gradient_safety_enabled``,
+  ``_record_gradient_stream``, ``_record_bucket_producer``, per-bucket ``copy_streams`` /
+  ``reuse_events``): 0.18.9 and 0.17.6 have none and order nothing after a flush;
+* ``gradient_average`` honoured by ``average_tensor``'s reduce-scatter division
+  (``skippable_division``; 0.19.8): 0.18.9 and 0.17.6 always divide, so the fill never
+  applies the division itself there.
 """
 
 import contextlib
@@ -55,14 +58,15 @@ class Zero12Buckets:
             ("extra_large_param_to_reduce", "the oversized-gradient slots"),
         ):
             require(optimizer, name, f"ZeRO-1/2 {what}")
-        # 0.18.5+ protocol: per-dtype reduction, stream safety, a skippable division.
         self.per_dtype_reduce = "comm_dtype" in inspect.signature(getattr(optimizer, _REDUCE)).parameters
-        if self.per_dtype_reduce:
-            require(optimizer, "gradient_average", "the ZeRO-1/2 gradient averaging flag")
+        self.skippable_division = hasattr(optimizer, "gradient_average")
+        # All of the stream safety or none of it: a part alone is a release nobody tested.
+        self.stream_safety = hasattr(optimizer, _STREAM_SAFETY[0])
+        if self.stream_safety:
             for name in _STREAM_SAFETY:
                 require(optimizer, name, "the ZeRO-1/2 offload stream safety")
         for bucket in optimizer.ipg_buckets.values():
-            for name in _BUCKET_ATTRS + (("copy_streams", "reuse_events") if self.per_dtype_reduce else ()):
+            for name in _BUCKET_ATTRS + (("copy_streams", "reuse_events") if self.stream_safety else ()):
                 require(bucket, name, "an IPG bucket field")
         import deepspeed.runtime.zero.stage_1_and_2 as stage12
         self._sort_dtypes = require(stage12, "sort_dtypes", "DeepSpeed's bucket dtype order")
@@ -160,21 +164,21 @@ class Zero12Buckets:
     def _wait_before_reusing(self, bucket) -> None:
         """DeepSpeed's offload safety: the buffer must not be rewritten before the
         reduction that last read it (recorded per buffer index) has finished."""
-        if (self.per_dtype_reduce and self.optimizer._offload_gradient_safety_enabled
+        if (self.stream_safety and self.optimizer._offload_gradient_safety_enabled
                 and bucket.index in bucket.reuse_events):
             self.current_stream().wait_event(bucket.reuse_events[bucket.index])
 
     def _record_producer(self, grad, bucket) -> None:
-        """What the stock add records for the offload stream safety (0.18.5+; nothing on 0.17.6)."""
-        if not self.per_dtype_reduce:
+        """What the stock add records for the offload stream safety (0.19.8; nothing before)."""
+        if not self.stream_safety:
             return
         if self.has_streams:
             self.optimizer._record_gradient_stream(grad, self.current_stream())
         self.optimizer._record_bucket_producer(bucket)
 
     def _note_copy_stream(self, bucket, stream) -> None:
-        """The reduction waits on every stream that copied into the bucket (0.19.3+)."""
-        if self.per_dtype_reduce:
+        """The reduction waits on every stream that copied into the bucket (0.19.8)."""
+        if self.stream_safety:
             bucket.copy_streams.add(stream)
 
     def reduce(self, reduce_ipg_grads, comm_dtype) -> None:
@@ -227,9 +231,9 @@ class Zero12Buckets:
 
     def divides_bucket_before_reduce(self, comm_dtype) -> bool:
         """average_tensor's reduce_scatter path divides the bucket in place first, and
-        skips that when gradient_average is off (0.18.5+; 0.17.6 always divides)."""
+        skips that when gradient_average is off (0.19.8; 0.18.9 and 0.17.6 always divide)."""
         opt = self.optimizer
-        return (self.per_dtype_reduce and opt.reduce_scatter and opt.gradient_average and opt.contiguous_gradients
+        return (self.skippable_division and opt.reduce_scatter and opt.gradient_average and opt.contiguous_gradients
                 and comm_dtype not in opt.extra_large_param_to_reduce and self.average_factor() != 1.0)
 
     def average_factor(self) -> float:

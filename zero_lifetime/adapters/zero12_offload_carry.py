@@ -12,7 +12,8 @@ re-added as if it were a micro-step).
 the next backward writes its own gradients alone; ``add_back`` adds the kept ones and
 recomputes the norms of the sums; ``put_back`` undoes ``take`` when that backward dies.
 After any other backward the accumulators already sum the next one on ZeRO-2 with 0.19.8
-(measured against torch; not 0.17.6: refused there).
+(measured against torch; not 0.17.6 or 0.18.9, which have no deferred finalizer: refused there,
+and on 0.18.9 measured off torch with the refusal bypassed).
 ZeRO-1 reduces in the boundary micro-step only, and its counter stays at 0 there, so each
 of its boundary backwards is a lone one.
 """
@@ -46,7 +47,7 @@ class Zero12OffloadCarry:
             optimizer, "gradient_accumulation_steps", "the ZeRO-1/2 gradient accumulation steps"))
         self.stage = 2 if require(optimizer, "partition_gradients", "the ZeRO-1/2 stage flag") else 1
         # 0.19.8 (with its deferred offload finalizer) sums a further backward of a micro-step
-        # in its accumulators; 0.17.6 does not (measured against torch).
+        # in its accumulators; 0.17.6 and 0.18.9 do not (measured against torch).
         self.accumulators_sum_backwards = hasattr(optimizer, ZERO12_OFFLOAD_FINALIZER)
         require(optimizer, "is_gradient_accumulation_boundary", "the ZeRO accumulation boundary flag")
 
