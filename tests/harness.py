@@ -189,7 +189,7 @@ def reference_step_both(ref_opt, l1, l2, zero_grad: bool):
     ref_opt.zero_grad()
 
 
-# The installed DeepSpeed release (the suite runs on 0.19.8 and 0.17.6, see README).
+# The installed DeepSpeed release (the suite runs on 0.19.8, 0.18.9 and 0.17.6, see README).
 DS_VERSION = deepspeed.__version__.split("+")[0]
 # DeepSpeed 0.18+ reduces gradients for a plain loss.backward() (and has engine.scale());
 # 0.17.6 only inside engine.backward(loss), and zero_lifetime refuses the plain path there.

@@ -70,10 +70,10 @@ def test_overflow_and_gradient_clipping(stage, offload, zero_grad):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stock_offload_skips_steps_torch_takes(stage):
     """Negative control, per release: stock ZeRO-1/2 with CPU offload and zero_grad() between
-    the two backwards. 0.17.6 skips the step whose dropped first backward overflowed (the
-    overflow flag outlives zero_grad()). 0.19.8 also leaves the overflowed gradient in its CPU
+    the two backwards. 0.17.6 and 0.18.9 skip the step whose dropped first backward overflowed
+    (the overflow flag outlives zero_grad()). 0.19.8 also leaves the overflowed gradient in its CPU
     accumulator after the skipped step, and the second backward of every later step adds to
     it (its zero_grad() starts no new window): every step after the first overflow skips."""
     _, got, want, _ = _run(stage, True, "engine", zero_grad=True, bucket=1000, install=False)
     assert want[1] == 2
-    assert got[1] == (3 if DS_VERSION == "0.17.6" else len(fp16.SCHEDULE) - 1), (got, want)
+    assert got[1] == (3 if DS_VERSION in ("0.17.6", "0.18.9") else len(fp16.SCHEDULE) - 1), (got, want)

@@ -7,6 +7,7 @@ import torch
 import deepspeed.utils.torch as ds_torch_utils
 import multitask as mt
 import zero_lifetime
+from harness import DS_VERSION
 from zero_lifetime import grad_hook_guard
 from zero_lifetime.grad_hook_guard import GradientsNotReducedError
 
@@ -34,8 +35,15 @@ def _engine(stage, offload, mode="summed"):
 
 @pytest.mark.parametrize("stage,offload", [(1, True), (2, True), (2, False)])
 def test_stock_legacy_path_leaves_buckets_empty(legacy_hook_path, stage, offload):
-    """Negative control: the reported failure, reproduced on this torch."""
-    engine, _ = _engine(stage, offload)
+    """Negative control: the reported failure, reproduced on this torch. DeepSpeed 0.18.9
+    does not have it without overlap_comm (as here): its epilogue reduces every gradient
+    the hooks missed, so stock trains as torch does there (measured)."""
+    engine, reference = _engine(stage, offload)
+    if DS_VERSION == "0.18.9":
+        mt.train_engine(engine, "summed", 1)
+        mt.train_reference(reference, "summed", 1)
+        assert max(mt.max_differences(engine, reference).values()) <= 1e-5
+        return
     with pytest.raises(IndexError):
         mt.train_engine(engine, "summed", 1)
 

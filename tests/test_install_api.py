@@ -78,7 +78,7 @@ def test_unknown_deepspeed_internals_fail_clearly(monkeypatch):
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     monkeypatch.delattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__release_param")
     engine, *_ = make_pair("mlp_norm", 3)
-    with pytest.raises(UnsupportedDeepSpeedError, match="Supported DeepSpeed versions: 0.17.6, 0.19.8"):
+    with pytest.raises(UnsupportedDeepSpeedError, match="Supported DeepSpeed versions: 0.17.6, 0.18.9, 0.19.8"):
         zero_lifetime.install(engine)
     assert "forward" not in engine.__dict__
     with pytest.warns(RuntimeWarning, match="Continuing without zero_lifetime"):
@@ -91,7 +91,7 @@ def test_unknown_deepspeed_version_fails_clearly(monkeypatch):
     engine, *_ = make_pair("mlp_norm", 2)
     monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
     with pytest.raises(UnsupportedDeepSpeedError, match="does not support DeepSpeed 0.18.0. Supported DeepSpeed "
-                       "versions: 0.17.6, 0.19.8"):
+                       "versions: 0.17.6, 0.18.9, 0.19.8"):
         zero_lifetime.install(engine)
     assert "forward" not in engine.__dict__
     with pytest.warns(RuntimeWarning, match="Continuing without zero_lifetime"):

@@ -199,8 +199,9 @@ def test_offloaded_stage12_sums_backwards_with_gradient_accumulation(stage, plan
     backward (here: after zero_grad() in mid-window), DeepSpeed's own accumulators otherwise."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2, **OFFLOAD)
     zero_lifetime.install(engine)
-    if stage == 2 and DS_VERSION == "0.17.6":
-        # Its offload accumulators keep one backward per micro-step: refused, before any change.
+    if stage == 2 and DS_VERSION != "0.19.8":
+        # 0.17.6's and 0.18.9's offload accumulators keep one backward per micro-step (on
+        # 0.18.9 measured with the refusal bypassed: off torch): refused, before any change.
         l1, l2 = losses(engine(make_input("mlp_norm", 0)))
         engine.backward(l1, retain_graph=True)
         with pytest.raises(NotImplementedError, match="ZeRO-2 CPU optimizer offload and gradient_accumulation"):

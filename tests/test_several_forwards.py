@@ -13,7 +13,7 @@ import torch
 
 import multitask as mt
 import zero_lifetime
-from harness import BACKWARD_PATHS as PATHS, TORCH_STYLE_BACKWARD, backward_both, reference_step_both
+from harness import BACKWARD_PATHS as PATHS, DS_VERSION, TORCH_STYLE_BACKWARD, backward_both, reference_step_both
 from multitask import STAGE_IDS, STAGES_OFFLOAD
 
 STEPS = 3
@@ -56,8 +56,14 @@ def test_retained_backwards_over_two_forwards(stage, path, zero_grad):
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="DeepSpeed 0.17.6 has no loss.backward() path")
 @pytest.mark.parametrize("stage", [1, 3])
 def test_stock_never_reduces_a_plain_backward_over_two_forwards(stage):
-    """Negative control: stock 0.19.8 skips the epilogue; step() finds no reduced gradients."""
-    model, _ = mt.make_models()
+    """Negative control: stock 0.19.8 skips the epilogue; step() finds no reduced gradients.
+    Stock 0.18.9 runs one prologue and one epilogue there and trains as torch does (measured)."""
+    model, reference = mt.make_models()
     engine = mt.build_engine(model, stage, "summed", False, "fp32")
+    if DS_VERSION == "0.18.9":
+        mt.train_engine(engine, "summed", 2, path="manual")
+        mt.train_reference(reference, "summed", 2)
+        assert max(mt.max_differences(engine, reference).values()) <= mt.tolerance("fp32")
+        return
     with pytest.raises(KeyError):
         mt.train_engine(engine, "summed", 1, path="manual")
