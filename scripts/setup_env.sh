@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything zero_lifetime needs on a fresh CPU machine, then build and install it.
 # Idempotent: already-satisfied pins install nothing.
-# ZL_DEEPSPEED=0.17.6 sets up DeepSpeed 0.17.6 in its own venv instead (scripts/deepspeed_python.sh).
+# ZL_DEEPSPEED=0.18.9 or 0.17.6 sets up that DeepSpeed in its own venv instead (scripts/deepspeed_python.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deepspeed_python.sh

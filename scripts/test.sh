@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-source scripts/deepspeed_python.sh  # ZL_DEEPSPEED: 0.19.8 (default) or 0.17.6
+source scripts/deepspeed_python.sh  # ZL_DEEPSPEED: 0.19.8 (default), 0.18.9 or 0.17.6
 export DS_ACCELERATOR=cpu
 if [ "$ZL_DEEPSPEED" != 0.19.8 ]; then
   # Another DeepSpeed release: the pytest suite only (or the tests given); the native and
