@@ -140,6 +140,10 @@ def _build_scenarios():
                         path="engine", check=False, install=True))
         out.append(dict(id=f"bucket_order-stage{stage}-no-install", kind="bucket_order", stage=stage, offload=False,
                         path="engine", check=False, install=False))
+        # GAS 2, the order differs in a non-boundary micro-step only: ZeRO-2 reduces there
+        # (raise, the window so far dropped), ZeRO-1 does not (nothing to check, no raise).
+        out.append(dict(id=f"bucket_order-stage{stage}-gas2", kind="bucket_order", stage=stage, offload=False,
+                        path="engine", check=True, install=True, gas=2))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -410,8 +414,12 @@ def _run_fp16(sc, rank):
             "want_scale_and_skips": [scale, skipped]}
 
 
-# Tasks per step (their forward order) on each rank: the first step differs between ranks.
-BUCKET_ORDER_TASKS = {0: [(0, 2), (0, 2), (1, 2)], 1: [(2, 0), (0, 2), (1, 2)]}
+# Tasks per micro-step (their forward order) on each rank: the first one differs between
+# ranks. GAS 1: three steps; GAS 2: windows of two (five micro-steps).
+BUCKET_ORDER_TASKS = {
+    1: {0: [(0, 2), (0, 2), (1, 2)], 1: [(2, 0), (0, 2), (1, 2)]},
+    2: {0: [(0, 2), (0, 2), (1, 2), (1, 2), (0, 1)], 1: [(2, 0), (0, 2), (1, 2), (1, 2), (0, 1)]},
+}
 
 
 def _run_bucket_order(sc, rank):
@@ -419,8 +427,13 @@ def _run_bucket_order(sc, rank):
     import torch
     import zero_lifetime
 
+    import deepspeed
+
+    gas = sc.get("gas", 1)
     model, reference = mt.make_models()
-    engine = mt.build_engine(model, sc["stage"], "sampled", sc["offload"], "fp32")
+    cfg = mt.config(sc["stage"], "sampled", sc["offload"], "fp32")
+    cfg["gradient_accumulation_steps"] = gas
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     if sc["install"]:
         zero_lifetime.install(engine, check_bucket_order=sc["check"])
     else:
@@ -428,19 +441,23 @@ def _run_bucket_order(sc, rank):
         detach_flat_buffers(engine.optimizer)  # stock 0.18.9 cannot step on 2 gloo ranks otherwise
     opt = torch.optim.SGD(reference.parameters(), lr=mt.LR)
     raised = []
-    for step, tasks in enumerate(BUCKET_ORDER_TASKS[rank]):
-        xs = mt.batches(step, rank)
+    for micro, tasks in enumerate(BUCKET_ORDER_TASKS[gas][rank]):
+        xs = mt.batches(micro, rank)
         loss = sum(mt.task_loss(engine(xs[t], t)) for t in tasks)
         try:
             engine.backward(loss) if sc["path"] == "engine" else loss.backward()
         except zero_lifetime.RanksDisagreeError as exc:
             raised.append(str(exc))
-            continue  # no step: the error dropped this step's gradients
+            opt.zero_grad()  # the error dropped the window so far: so does the oracle
+            continue  # no step() for this micro-batch
         raised.append(None)
+        boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
-        # The oracle: DDP's semantics (a gradient missing on a rank counts as zero), for
-        # the steps the engine took.
-        sum(mt.task_loss(reference(xs[t], t)) for t in tasks).backward()
+        # The oracle: DDP's semantics (a gradient missing on a rank counts as zero, each
+        # micro-step's loss divided by the GAS as DeepSpeed does), for the steps the engine took.
+        (sum(mt.task_loss(reference(xs[t], t)) for t in tasks) / gas).backward()
+        if not boundary:
+            continue
         for p in reference.parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             torch.distributed.all_reduce(grad)
