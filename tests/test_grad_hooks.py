@@ -36,8 +36,8 @@ def _engine(stage, offload, mode="summed"):
 @pytest.mark.parametrize("stage,offload", [(1, True), (2, True), (2, False)])
 def test_stock_legacy_path_leaves_buckets_empty(legacy_hook_path, stage, offload):
     """Negative control: the reported failure, reproduced on this torch. DeepSpeed 0.18.9
-    does not have it without overlap_comm (as here): its epilogue reduces every gradient
-    the hooks missed, so stock trains as torch does there (measured)."""
+    does not show it: its hooks on the AccumulateGrad nodes keep firing (counted: one per
+    param), so stock trains as torch does there (measured; why the nodes live is not known)."""
     engine, reference = _engine(stage, offload)
     if DS_VERSION == "0.18.9":
         mt.train_engine(engine, "summed", 1)
