@@ -60,7 +60,9 @@ def zero_grad_between_losses(out):
     return task_loss(first) + task_loss(second), 2 * task_loss(second)
 
 
-def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, clip: float = 0.0):
+def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, clip: float = 0.0,
+           gas: int = None):
+    """``gas``: the accumulation steps, when not the mode's own."""
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
             "reduce_bucket_size": bucket}  # tiny: several flushes per backward, trunk.weight (128) bypasses
     if stage == 3:
@@ -69,7 +71,7 @@ def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, 
         zero["offload_optimizer"] = {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": {"per_task": TASKS, "zero_grad_mid_window": 2}.get(mode, 1),
+        "gradient_accumulation_steps": gas or {"per_task": TASKS, "zero_grad_mid_window": 2}.get(mode, 1),
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": clip,
@@ -158,8 +160,8 @@ def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1,
         opt.zero_grad()
 
 
-def build_engine(model, stage: int, mode: str, offload: bool, dtype: str, clip: float = 0.0):
-    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype, clip=clip),
+def build_engine(model, stage: int, mode: str, offload: bool, dtype: str, clip: float = 0.0, gas: int = None):
+    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype, clip=clip, gas=gas),
                                       model_parameters=model.parameters())
     return engine
 

@@ -427,13 +427,9 @@ def _run_bucket_order(sc, rank):
     import torch
     import zero_lifetime
 
-    import deepspeed
-
     gas = sc.get("gas", 1)
     model, reference = mt.make_models()
-    cfg = mt.config(sc["stage"], "sampled", sc["offload"], "fp32")
-    cfg["gradient_accumulation_steps"] = gas
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    engine = mt.build_engine(model, sc["stage"], "sampled", sc["offload"], "fp32", gas=gas)
     if sc["install"]:
         zero_lifetime.install(engine, check_bucket_order=sc["check"])
     else:
