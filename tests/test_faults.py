@@ -243,6 +243,37 @@ def test_dead_first_backward_of_a_step(engine_kind, bucket):
 
 
 @pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
+def test_dead_backward_with_an_oversized_gradient_waiting(engine_kind):
+    """ZeRO-1/2 keep a gradient larger than reduce_bucket_size in a slot of its own, not the
+    bucket, until the next reduction. A backward that died right after such a gradient (a
+    user's gradient check raising) left it there, and the next backward failed on DeepSpeed's
+    assertion that the slot holds the bucket's only param. Oracle: torch over the backwards
+    that completed."""
+    stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, reduce_bucket_size=HIDDEN * OUT - 1, **zero)
+    zero_lifetime.install(engine)
+    _plain_step(engine, reference, ref_opt, 1)
+    weight = engine.module.l2.weight  # HIDDEN * OUT elements: one more than a bucket
+    waiting_at_death = []
+
+    def gradient_check(param):  # registered last: runs after DeepSpeed's hook on the weight
+        waiting_at_death.extend(getattr(engine.optimizer, "extra_large_param_to_reduce", {}).values())
+        raise FloatingPointError("gradient check failed")
+
+    handle = weight.register_post_accumulate_grad_hook(gradient_check)
+    with pytest.raises(FloatingPointError, match="gradient check failed"):
+        engine.backward(losses(engine(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0])
+    handle.remove()
+    # The case this test is for; ZeRO-1 reduces only at the end of a backward, ZeRO-3 has no slot.
+    assert [p is weight for p in waiting_at_death] == ([True] if stage == 2 else [])
+    _plain_step(engine, reference, ref_opt, 2)
+    assert zero_lifetime.stats(engine)["failed_backwards"] == 1
+    assert_weights_match(engine, reference)
+    _plain_step(engine, reference, ref_opt, 3)
+    assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
 def test_dead_backward_in_a_gradient_accumulation_window(engine_kind):
     """gradient_accumulation_steps 2, no zero_grad() anywhere: a window whose first
     micro-step dies once and is redone, after a window that left DeepSpeed's CPU offload

@@ -50,6 +50,11 @@ class EngineBackwardBase:
                 if hasattr(bucket, "grads"):
                     bucket.grads.clear()
                 bucket.elements = 0
+        # ZeRO-1/2 keep an oversized gradient in a slot of its own until the next reduction;
+        # left there, that reduction asserts it is the bucket's only param and fails.
+        oversized = getattr(optimizer, "extra_large_param_to_reduce", None)
+        if isinstance(oversized, dict):
+            oversized.clear()
         reduced = getattr(optimizer, "params_already_reduced", None)
         if isinstance(reduced, dict):
             for key in reduced:
