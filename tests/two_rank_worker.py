@@ -508,6 +508,8 @@ def run_rank(rank, out_dir, port, scenarios, run_one):
     # A separate gloo group for the status exchange: never paired with DeepSpeed's collectives.
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    import harness  # noqa: F401  (imported here, before the freeze, rather than by the first scenario)
+    gc.freeze()  # the imports: out of every later collection (see conftest.pytest_collection_finish)
 
     with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "w") as results:
         for sc in scenarios:
