@@ -31,7 +31,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS = 3
 # SGD step sizes that keep 3 steps of the unbounded linear loss (harness.losses) tame,
 # so the comparison is not amplified by a diverging run (lr 0.1 blows both models up).
-LR = {"mlp_norm": 0.01, "tied_lm": 0.001}
+LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01}
 # A rank whose peer raised mid-scenario may wait forever (seen: a DeepSpeed collective on
 # the CPU, which can go through its shm comm op, ignored the gloo timeout); plain gloo
 # collectives give up after COLLECTIVE_TIMEOUT_S.
@@ -99,6 +99,13 @@ def _build_scenarios():
                                                ("tied_lm", "regather", "manual", False)):
             sid = f"two-stage3-{model}-{variant}-{policy}-{path}-{zg_ids[zero_grad]}"
             out.append(_scenario(sid, "steps", 3, path, zero_grad, policy, model, zero=zero))
+    # Activation checkpointing: a reentrant checkpoint runs a backward inside the backward
+    # (DeepSpeed's epilogue and, on ZeRO-1/2, the bucket order check may run in it too).
+    for stage in (1, 2, 3):
+        for model in ("ckpt_reentrant", "ckpt_nonreentrant"):
+            for path in ("engine", "manual"):
+                out.append(_scenario(f"two-stage{stage}-{model}-{path}-no_zero_grad", "steps", stage, path, False,
+                                     model=model))
     for policy in ("regather", "pin"):
         for path in ("engine", "manual"):
             out.append(_scenario(f"penalty-stage3-{policy}-{path}", "penalty", 3, path, policy=policy))
