@@ -33,9 +33,9 @@ def pytest_collection_finish(session):
     DeepSpeed collects garbage itself while it builds an engine (see_memory_usage with
     force=True: 11 times per ZeRO-3 engine on 0.17.6), and the tests collect to check
     releases. Each collection walks every tracked object, ~420k once torch and DeepSpeed are
-    imported: 0.2 s on this project's CPUs. Modules live as long as the process, so this
-    frees nothing less; objects the tests make are collected as before. Rank workers do
-    the same (two_rank_worker.run_rank)."""
+    imported: 0.2 s on this project's CPUs. What the imports made lives as long as the
+    process anyway; objects the tests make are collected as before. Rank workers do the
+    same (two_rank_worker.run_rank)."""
     gc.freeze()
 
 

@@ -99,8 +99,9 @@ def _build_scenarios():
                                                ("tied_lm", "regather", "manual", False)):
             sid = f"two-stage3-{model}-{variant}-{policy}-{path}-{zg_ids[zero_grad]}"
             out.append(_scenario(sid, "steps", 3, path, zero_grad, policy, model, zero=zero))
-    # Activation checkpointing: a reentrant checkpoint runs a backward inside the backward
-    # (DeepSpeed's epilogue and, on ZeRO-1/2, the bucket order check may run in it too).
+    # Activation checkpointing: a reentrant checkpoint runs a backward inside the backward,
+    # with DeepSpeed's hooks firing in it (ZeRO-1/2: the bucket order check must still run
+    # once per outer backward, test_two_ranks checks the count).
     for stage in (1, 2, 3):
         for model in ("ckpt_reentrant", "ckpt_nonreentrant"):
             for path in ("engine", "manual"):
