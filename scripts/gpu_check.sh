@@ -1,56 +1,86 @@
 #!/usr/bin/env bash
 # GPU validation, for a machine with an NVIDIA GPU and a CUDA torch (not part of CI,
-# which has no GPU). Phases, in the order given on the command line:
+# which has no GPU). Phases, in the order given on the command line (earlier = more important:
+# phases the deadline leaves no time for are skipped and reported as such):
 #   setup     install carried wheels (./.whl, made here by scripts/gpu_wheels.sh: DeepSpeed and its deps),
 #             build zero_lifetime._C with the CUDA kernels in place
-#   tests_cuda  only what runs on the GPU: the CUDA op tests and fuzz, the CUDA engine
-#             scenarios, each kernel path once (minutes; CI runs everything else)
-#   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
+#   bench     python -m zero_lifetime.bench all --device cuda (issue 4's GPU figures), then the
+#             kernel bench, where the time of one fused-op call goes (benchmarks/profile_ops.py)
+#             and the host's share of install's step overhead
+#   tests_cuda  only what runs on the GPU: each kernel path once, the CUDA op tests and fuzz,
+#             the CUDA engine scenarios (CI runs everything else)
 #   sanitize  the CUDA kernels under compute-sanitizer: each kernel path once under memcheck,
 #             racecheck, initcheck and synccheck, then the CUDA op tests under memcheck
-#   bench     python -m zero_lifetime.bench all --device cuda, the kernel bench, and where
-#             the time of one fused-op call goes (benchmarks/profile_ops.py)
-# Logs, JSON and plots go to $OUT (default ./gpu-out).
-# Example: bash scripts/gpu_check.sh setup tests sanitize bench
-# Within 10-minute device calls: `setup tests_cuda sanitize`, then `setup bench` (a later
-# call may find a fresh machine), then `setup tests` if device time is left.
+#   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
+#
+# One lent device call (15 minutes of device time a session, 10 a command):
+#   bash scripts/gpu_check.sh setup bench tests_cuda sanitize      (timeout_s 600, carry .whl)
+# The run stops starting work ZL_GPU_DEADLINE_S seconds after it began (default 540), and caps
+# each command at what is left, so it ends inside the call with every log packed.
+# The device tool returns at most 8 files from $OUT: the logs, JSON and plots go to
+# $OUT/gpu_check/ and are packed into $OUT/gpu_check.tar.gz at exit; $OUT/summary.log holds
+# each command's status, time and log tail as it ran. $OUT defaults to ./gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
+WORK="$OUT/gpu_check"
+mkdir -p "$WORK"
+DEADLINE=$((SECONDS + ${ZL_GPU_DEADLINE_S:-540}))
+PACK_RESERVE_S=15  # kept back from the deadline for packing the logs
+say() { tee -a "$OUT/summary.log"; }  # stdin to the terminal and to the summary
 export PYTHONUNBUFFERED=1 DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # the lent machines are Hopper; one arch builds fastest
 [ -d /tmp/zl-site ] && export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH}
 status=0
 
-run() {  # run NAME CMD...: log to $OUT/NAME.log, remember a failure, go on with the next phase
-  local name=$1; shift
-  echo "== $name: $*"
+pack() {
+  tar czf "$OUT/gpu_check.tar.gz" -C "$OUT" gpu_check && rm -rf "$WORK"
+  echo "== logs, JSON and plots: $OUT/gpu_check.tar.gz; exit status $status" | say
+}
+trap pack EXIT
+
+run() {  # run NAME CAP_S CMD...: at most CAP_S seconds (less if the deadline is nearer), log to $WORK/NAME.log
+  local name=$1 cap=$2; shift 2
+  local left=$((DEADLINE - SECONDS - PACK_RESERVE_S))
+  if ((left < 10)); then
+    echo "== $name: SKIPPED, ${left}s left before the deadline" | say
+    status=1
+    return
+  fi
+  ((cap > left)) && cap=$left
+  echo "== $name (at most ${cap}s): $*" | say
   local start=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout --kill-after=5 "$cap" "$@" >"$WORK/$name.log" 2>&1
   local rc=$?
-  echo "== $name: rc $rc in $((SECONDS - start)) s"; tail -n 25 "$OUT/$name.log"
+  local verdict="rc $rc"
+  ((rc == 124 || rc == 137)) && verdict="rc $rc: CUT at ${cap}s"
+  { echo "== $name: $verdict in $((SECONDS - start)) s"; tail -n 25 "$WORK/$name.log" | sed -e '$a\'; } | say
   [ $rc -eq 0 ] || status=1
 }
 
 for phase in "$@"; do
   case $phase in
     setup)
-      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | say
       if ls .whl/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zl-site .whl/*.whl || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zl-site .whl/*.whl \
+          || { echo "== setup: the carried wheels did not install" | say; status=1; exit 1; }
         export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH}
       fi
-      run build python3 setup.py build_ext --inplace
-      run env_report python3 -m zero_lifetime.env_report
+      run build 300 python3 setup.py build_ext --inplace
+      run env_report 60 python3 -m zero_lifetime.env_report
+      ;;
+    bench)
+      run bench 240 python3 -m zero_lifetime.bench all --device cuda --repeats "${ZL_BENCH_REPEATS:-10}" \
+        --json "$WORK/bench_cuda.json" --plot "$WORK/bench_cuda.png"
+      run bench_kernels 90 python3 -m zero_lifetime.bench.kernels --device cuda --json "$WORK/kernels_cuda.json"
+      run profile_ops 60 python3 benchmarks/profile_ops.py --device cuda --json "$WORK/profile_cuda.json"
+      run step_host_cost 60 python3 benchmarks/step_host_cost.py --rounds 60
       ;;
     tests_cuda)
-      run kernel_paths python3 tests/kernel_paths.py --device cuda
-      run pytest_cuda python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py tests/test_native_link.py \
+      run kernel_paths 60 python3 tests/kernel_paths.py --device cuda
+      run pytest_cuda 240 python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py tests/test_native_link.py \
         tests/test_cuda_engine.py -k cuda -q -p no:cacheprovider -rs -s --durations=10
-      ;;
-    tests)
-      run pytest python3 -m pytest tests -q -p no:cacheprovider -rs -s --durations=15
       ;;
     sanitize)
       # No caching allocator: every tensor is its own allocation, so memcheck sees an
@@ -60,22 +90,17 @@ for phase in "$@"; do
       # run says just that; initcheck and synccheck cover reads of unwritten memory and
       # barriers. Then memcheck over the op tests and the CUDA fuzz (minutes).
       for tool in memcheck racecheck initcheck synccheck; do
-        run "sanitize_paths_$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer \
+        run "sanitize_paths_$tool" 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
           --tool "$tool" --error-exitcode 99 python3 tests/kernel_paths.py --device cuda
       done
-      run sanitize_memcheck_tests env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=150 timeout 400 \
+      run sanitize_memcheck_tests 400 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=150 \
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest tests/test_ops.py \
         tests/test_ops_fuzz.py -k cuda -q -p no:cacheprovider
       ;;
-    bench)
-      run bench python3 -m zero_lifetime.bench all --device cuda --repeats 15 --json "$OUT/bench_cuda.json" \
-        --plot "$OUT/bench_cuda.png"
-      run bench_kernels python3 -m zero_lifetime.bench.kernels --device cuda --json "$OUT/kernels_cuda.json"
-      run profile_ops python3 benchmarks/profile_ops.py --device cuda --json "$OUT/profile_cuda.json"
-      # The host's share of install's step overhead (saved-tensor hooks, per-step walks) on this machine's CPU.
-      run step_host_cost python3 benchmarks/step_host_cost.py --rounds 60
+    tests)
+      run pytest 540 python3 -m pytest tests -q -p no:cacheprovider -rs -s --durations=15
       ;;
-    *) echo "unknown phase: $phase (setup, tests_cuda, tests, sanitize, bench)"; exit 2 ;;
+    *) echo "unknown phase: $phase (setup, bench, tests_cuda, sanitize, tests)" | say; status=2; exit 2 ;;
   esac
 done
 exit $status

@@ -1,0 +1,56 @@
+"""scripts/gpu_check.sh, the GPU session's one command, run here with stand-ins for the GPU tools.
+
+A lent GPU machine gives a session 15 minutes and 10 a command, and returns at most 8 files:
+the script must end inside its deadline with every log packed in one archive, and say which
+commands were cut or skipped. A broken script would cost a GPU session; CI has no GPU, so this
+checks it with a ``compute-sanitizer`` stand-in that hangs.
+"""
+
+import os
+import re
+import subprocess
+import tarfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _stand_in(directory, name, body):
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n" + body + "\n")
+    os.chmod(path, 0o755)
+
+
+def test_deadline_cuts_and_skips_and_every_log_is_packed(tmp_path):
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    _stand_in(str(shims), "compute-sanitizer", "exec sleep 120")  # a sanitizer run that would outlast the call
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
+           "ZL_GPU_DEADLINE_S": "30", "PYTHONPATH": REPO}
+    started = time.monotonic()
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "sanitize"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stdout + result.stderr  # failures reported, not hidden
+    assert elapsed < 60, f"{elapsed:.0f}s: the hanging sanitizer (120 s) was not cut at the 30 s deadline"
+    summary = (out / "summary.log").read_text()
+    # The first sanitizer run is cut at what is left of the deadline (30 s less 15 kept for
+    # packing, less the script's own start), the later ones are skipped.
+    assert re.search(r"== sanitize_paths_memcheck: rc 124: CUT at 1[0-5]s", summary), summary
+    for tool in ("racecheck", "initcheck", "synccheck"):
+        assert f"== sanitize_paths_{tool}: SKIPPED" in summary, summary
+    assert "== sanitize_memcheck_tests: SKIPPED" in summary, summary
+    # Two files come back: the summary and one archive with the log of every command that ran.
+    assert sorted(os.listdir(out)) == ["gpu_check.tar.gz", "summary.log"]
+    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+        logs = sorted(os.path.basename(n) for n in archive.getnames() if n.endswith(".log"))
+    assert logs == ["sanitize_paths_memcheck.log"]
+
+
+def test_unknown_phase_is_an_error(tmp_path):
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "benchmark"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
+    assert result.returncode == 2
+    assert "unknown phase: benchmark" in result.stdout
