@@ -43,12 +43,14 @@ class EngineBackwardBase:
         """
         optimizer = self.optimizer
         for bucket in getattr(optimizer, "ipg_buckets", {}).values():
-            if hasattr(bucket, "clear_params"):
+            if self._zero12:
+                # What DeepSpeed runs after each reduction: on 0.19.8 it also drops the
+                # MoE flag and the ready events and copy streams of the dead fill.
+                bucket.clear()
+            elif hasattr(bucket, "clear_params"):  # ZeRO-3: keep the buffer for reuse
                 bucket.clear_params()
-            else:
+            else:  # ZeRO-3 on 0.17.6, as its own reduction resets the bucket
                 bucket.params.clear()
-                if hasattr(bucket, "grads"):
-                    bucket.grads.clear()
                 bucket.elements = 0
         # ZeRO-1/2 keep an oversized gradient in a slot of its own until the next reduction;
         # left there, that reduction asserts it is the bucket's only param and fails.

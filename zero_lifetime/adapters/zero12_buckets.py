@@ -30,7 +30,7 @@ from .patching import Patches
 
 _ADD = "reduce_independent_p_g_buckets_and_remove_grads"
 _REDUCE = "reduce_ipg_grads"
-_BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads")
+_BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads", "clear")
 _STREAM_SAFETY = ("_offload_gradient_safety_enabled", "_record_gradient_stream", "_record_bucket_producer")
 
 
