@@ -129,6 +129,34 @@ def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, 
     return engine, reference, ref_opt
 
 
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it compiles, so a test knows compiled
+    code ran (Dynamo falls back to eager silently, for example past its recompile limit)."""
+
+    def __init__(self, name: str):
+        self.inner = torch._dynamo.lookup_backend(name)
+        self.graphs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs += 1
+        return self.inner(graph_module, example_inputs)
+
+
+def graph_has_compiled_code(out) -> bool:
+    """Whether the output's autograd graph holds a node of AOTAutograd's compiled function
+    (whose saved tensors are what the compiled forward saved, params included)."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in type(node).__name__:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 def full_weights(engine):
     return [safe_get_full_fp32_param(p).detach().clone() for p in engine.module.parameters()]
 

@@ -44,6 +44,7 @@ class Installation:
     """What install() patched on one engine, and the state it keeps."""
 
     def __init__(self, engine, policy: str, max_pinned_bytes: int, check_bucket_order: bool = True):
+        from .adapters.deepcompile import require_no_deepcompile
         from .adapters.engine_backward import make_engine_backward
         from .adapters.zero_optimizer import require_zero_optimizer
 
@@ -55,6 +56,7 @@ class Installation:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
         require_zero_optimizer(engine, self.stage)
+        require_no_deepcompile(engine)
         self.backward = None
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
@@ -103,7 +105,8 @@ class Installation:
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
         self.reporter = StatsReporter(engine, self.stats)
-        self._handles.append(engine.module.register_forward_hook(self._on_root_forward))
+        # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
+        self._handles.append(engine.module.register_forward_hook(torch.compiler.disable(self._on_root_forward)))
         # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
         # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
         for param in self._trainable:

@@ -55,7 +55,9 @@ class Zero3Lifetime:
             # storage without being an autograd view of it is still recognised.
             note_gathered_all(params)
 
-        return note_gathered_before_forward
+        # Under engine.compile() module hooks run inside the compiled call: run this one as
+        # written, never traced (Dynamo would guard on the params' state and recompile).
+        return torch.compiler.disable(note_gathered_before_forward)
 
     def after_forward(self) -> None:
         self._counters_after_forward = self.zparams.module_counters(self._modules)
