@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")  # installed by scripts/setup
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 import zero_lifetime  # noqa: E402
+from harness import graph_has_compiled_code  # noqa: E402
 from zero_lifetime.integrations.hf_trainer import ZeroLifetimeCallback, add_to_trainer  # noqa: E402
 
 STEPS, LR = 3, 0.05
@@ -39,6 +40,7 @@ class TwoLossTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         out = model(**inputs)
+        self.compiled_steps = getattr(self, "compiled_steps", 0) + graph_has_compiled_code(out.loss)
         engine = self.model_wrapped
         engine.backward(out.loss, retain_graph=True)
         self.accelerator.backward(second_loss(out.logits))  # accelerate's: backward, then engine.step()
@@ -51,7 +53,9 @@ def _model():
                                       embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def _trainer(model, tmp_path):
+def _trainer(model, tmp_path, compile_backend=None):
+    """``compile_backend``: TrainingArguments' torch_compile, which accelerate turns into
+    ``engine.compile()`` after deepspeed.initialize (the callback installs after that)."""
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -59,7 +63,8 @@ def _trainer(model, tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
                              deepspeed=ds, use_cpu=True, report_to=[], save_strategy="no", optim="sgd",
                              learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-                             weight_decay=0.0, disable_tqdm=True, logging_strategy="no")
+                             weight_decay=0.0, disable_tqdm=True, logging_strategy="no",
+                             torch_compile=compile_backend is not None, torch_compile_backend=compile_backend)
     return TwoLossTrainer(model=model, args=args, train_dataset=Tokens())
 
 
@@ -78,16 +83,27 @@ def _weights(trainer):
     return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
 
 
-def test_trainer_with_callback_matches_summed_loss(tmp_path):
-    oracle = _trainer(_model(), tmp_path / "oracle")
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "torch_compile"])
+def test_trainer_with_callback_matches_summed_loss(tmp_path, compile_backend):
+    # AOTAutograd may reuse ("donate") saved activations in a compiled backward, which then
+    # refuses retain_graph=True, stock DeepSpeed included: turned off, as the README says.
+    with torch._functorch.config.patch(donated_buffer=False):
+        _trainer_matches_summed_loss(tmp_path, compile_backend)
+
+
+def _trainer_matches_summed_loss(tmp_path, compile_backend):
+    torch._dynamo.reset()  # compiled code is cached per code object: compile anew
+    oracle = _trainer(_model(), tmp_path / "oracle", compile_backend)
     oracle.__class__ = SummedLossTrainer
     oracle.train()
     want = _weights(oracle)
 
-    trainer = _trainer(_model(), tmp_path / "two")
+    torch._dynamo.reset()
+    trainer = _trainer(_model(), tmp_path / "two", compile_backend)
     callback = add_to_trainer(trainer)
     trainer.train()
     assert callback.installation is not None
+    assert trainer.compiled_steps == (STEPS if compile_backend else 0)  # compiled code saved tensors each step
     assert zero_lifetime.stats(trainer.model_wrapped)["pinned_params"] == 0
     got = _weights(trainer)
     initial = {n: p.detach() for n, p in _model().named_parameters()}

@@ -16,15 +16,17 @@ from rank_spawn import spawn_ranks
 SPAWN_DEADLINE_S = 600  # only reached when something hangs: a passing run takes 100-130 s unloaded, more on busy shared cores
 ATOL = worker.ATOL
 # How stock ZeRO-3's second backward meets a released (empty) param: accumulating its
-# gradient, or (0.17.6, model built in zero.Init) DeepSpeed's own linear reading the weight.
-RELEASED_PARAM_USED = ("size of tensor a (0)", "vec (0)")
+# gradient, (0.17.6, model built in zero.Init) DeepSpeed's own linear reading the weight, or
+# (engine.compile()) the compiled backward's matmul with it.
+RELEASED_PARAM_USED = ("size of tensor a (0)", "vec (0)", "mat2 must be a matrix")
 
 TRAINING = [sc for sc in worker.SCENARIOS if sc["kind"] in ("steps", "penalty")]
 SANITY = [sc for sc in TRAINING if sc["id"].startswith("sanity-")]
 RETAINED = [sc for sc in TRAINING if not sc["id"].startswith("sanity-")]
 STAGE3 = [sc for sc in TRAINING if sc["stage"] == 3 and sc["install"]]
 # ZeRO-3 with param offload or ZeRO++'s hpZ (their zero_optimization settings).
-ZERO3_VARIANTS = [sc for sc in STAGE3 if sc["zero"]]
+ZERO3_VARIANTS = [sc for sc in STAGE3 if sc["zero"] and not sc["compile"]]
+COMPILED = [sc for sc in TRAINING if sc["compile"]]
 STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock"]
 STOCK12 = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock12"]
 MULTITASK = [sc for sc in worker.SCENARIOS if sc["kind"] == "multitask"]
@@ -103,6 +105,19 @@ def test_stage3_variants_take_the_fused_gather(results, sc):
         assert stats["fused_gathers"] > 0 and stats["stock_gathers"] == 0, f"rank {rank}: {stats}"
         if "zero_hpz_partition_size" in sc["zero"]:
             assert record["secondary_tensors"] > 0, f"rank {rank}: no param had an hpZ secondary shard"
+
+
+@pytest.mark.parametrize("sc", COMPILED, ids=_ids(COMPILED))
+def test_compiled_scenarios_ran_compiled_code(results, sc):
+    """engine.compile() scenarios (weights against DDP: test_retained_backwards_match_ddp):
+    every step's graph held AOTAutograd's compiled function, whose saved tensors the
+    lifetime hooks saw; ZeRO-3 gathers still took the fused copy-out."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert record["compiled_graphs"] > 0, f"rank {rank}: the backend compiled nothing: {record}"
+        assert record["compiled_steps"] == len(sc["schedule"]), f"rank {rank}: {record}"
+        if sc["stage"] == 3:
+            stats = record["stats"]
+            assert stats["fused_gathers"] > 0 and stats["stock_gathers"] == 0, f"rank {rank}: {stats}"
 
 
 @pytest.mark.parametrize("sc", MULTITASK, ids=_ids(MULTITASK))

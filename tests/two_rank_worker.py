@@ -42,13 +42,15 @@ CONTROL_TIMEOUT_S = 45
 
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
-              persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None):
+              persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None,
+              compile=None):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
     ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
-    ``zero``: more zero_optimization settings (param offload, ZeRO++)."""
+    ``zero``: more zero_optimization settings (param offload, ZeRO++).
+    ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
-                gas=gas, zero_init=zero_init, zero=zero or {})
+                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile)
 
 
 def _build_scenarios():
@@ -107,6 +109,19 @@ def _build_scenarios():
             for path in ("engine", "manual"):
                 out.append(_scenario(f"two-stage{stage}-{model}-{path}-no_zero_grad", "steps", stage, path, False,
                                      model=model))
+    # engine.compile() (plain torch.compile of the module, aot_eager: AOTAutograd saves the
+    # tensors, no code generation) before install, as accelerate does; ZeRO-3 releases each
+    # module's params right after it, so the retained graph outlives every gather.
+    eager_release = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    for stage, model, policy, path, zero_grad in ((1, "mlp_norm", "regather", "engine", False),
+                                                  (2, "mlp_norm", "regather", "manual", True),
+                                                  (2, "ckpt_nonreentrant", "regather", "engine", False),
+                                                  (3, "mlp_norm", "regather", "engine", False),
+                                                  (3, "mlp_norm", "pin", "manual", True),
+                                                  (3, "ckpt_nonreentrant", "regather", "engine", True)):
+        sid = f"compiled-stage{stage}-{model}-{policy}-{path}-{zg_ids[zero_grad]}"
+        out.append(_scenario(sid, "steps", stage, path, zero_grad, policy, model, compile="aot_eager",
+                             zero=eager_release if stage == 3 else None))
     for policy in ("regather", "pin"):
         for path in ("engine", "manual"):
             out.append(_scenario(f"penalty-stage3-{policy}-{path}", "penalty", 3, path, policy=policy))
@@ -162,6 +177,8 @@ def _build_scenarios():
     for variant in ("offload_param", "hpz2"):
         out.append(_scenario(f"stock-stage3-{variant}-no-install", "stock", 3, "engine", True, install=False,
                              zero=zero3_variants[variant]))
+    out.append(_scenario("stock-stage3-compiled-no-install", "stock", 3, "engine", True, install=False,
+                         zero=eager_release, compile="aot_eager"))
     if deepspeed_release() != "0.19.8":
         # 0.17.6 and 0.18.9 refuse a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
         out = [sc for sc in out if not (sc["id"].startswith("carry-stage2-offload") and sc.get("gas", 1) > 1)]
@@ -220,21 +237,39 @@ def _penalty_loss(model, x):
     return out.mean() + grad_x.pow(2).sum()
 
 
+def _compile(engine, sc):
+    """engine.compile() with a counting backend when the scenario asks for it, else None."""
+    if not sc.get("compile"):
+        return None
+    import torch
+    from harness import CountingBackend
+    torch._dynamo.reset()  # compiled code is cached per code object: no earlier scenario's
+    backend = CountingBackend(sc["compile"])
+    engine.compile(backend=backend)
+    return backend
+
+
 def _engine_step(engine, sc, step, backwards, rank):
-    from harness import losses, two_backwards
+    """One step; returns (params with an hpZ secondary shard, whether compiled code saved tensors)."""
+    from harness import graph_has_compiled_code, losses, two_backwards
     x = _shard(sc["model"], step, rank)
     if sc["kind"] == "penalty":
         loss = _penalty_loss(engine, x)
+        compiled = graph_has_compiled_code(loss)
         engine.backward(loss) if sc["path"] == "engine" else loss.backward()
     elif backwards == 1:
-        loss = losses(engine(x))[0]
+        out = engine(x)
+        compiled = graph_has_compiled_code(out)
+        loss = losses(out)[0]
         engine.backward(loss) if sc["path"] == "engine" else loss.backward()
     else:
-        two_backwards(engine, engine(x), sc["path"], sc["zero_grad"])
+        out = engine(x)
+        compiled = graph_has_compiled_code(out)
+        two_backwards(engine, out, sc["path"], sc["zero_grad"])
     # hpZ keeps a secondary shard from the forward until the step: count them before it goes.
     secondary = sum(getattr(p, "ds_secondary_tensor", None) is not None for p in engine.module.parameters())
     engine.step()
-    return secondary
+    return secondary, compiled
 
 
 def _at_boundary(sc, step):
@@ -317,16 +352,18 @@ def _run_training(sc, rank):
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     ar_opt = torch.optim.SGD(ar_model.parameters(), lr=lr)
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    backend = _compile(engine, sc)
     if sc["install"]:
         zero_lifetime.install(engine, policy=sc["policy"])
 
-    secondary = 0
+    secondary = compiled_steps = 0
     for step, backwards in enumerate(sc["schedule"]):
-        secondary = max(secondary, _engine_step(engine, sc, step, backwards, rank))
+        step_secondary, step_compiled = _engine_step(engine, sc, step, backwards, rank)
+        secondary, compiled_steps = max(secondary, step_secondary), compiled_steps + step_compiled
         _ddp_step(ddp, ddp_opt, sc, step, backwards, rank)
         _allreduce_step(ar_model, ar_opt, sc, step, backwards, rank)
 
-    record = {}
+    record = {"compiled_graphs": backend.graphs if backend else 0, "compiled_steps": compiled_steps}
     gc.collect()  # the step helpers' graphs are gone; nothing may hold a handle now
     record["stats"] = zero_lifetime.stats(engine)
     if sc["stage"] == 3:
@@ -378,6 +415,7 @@ def _run_stock(sc, rank):
     if sc["zero_init"]:
         model = _built_in_zero_init(sc["model"], cfg, {n: p.detach() for n, p in model.named_parameters()})
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    _compile(engine, sc)
     l1, l2 = losses(engine(_shard(sc["model"], 0, rank)))
     engine.backward(l1, retain_graph=True)  # works on stock: an error here fails the scenario
     if sc["zero_grad"]:
