@@ -53,12 +53,12 @@ def _model():
                                       embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def _trainer(model, tmp_path, compile_backend=None):
+def _trainer(model, tmp_path, compile_backend=None, stage=3):
     """``compile_backend``: TrainingArguments' torch_compile, which accelerate turns into
     ``engine.compile()`` after deepspeed.initialize (the callback installs after that)."""
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
           "zero_allow_untested_optimizer": True}
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
                              deepspeed=ds, use_cpu=True, report_to=[], save_strategy="no", optim="sgd",
