@@ -20,6 +20,7 @@ struct SavedParamObject {
   PyObject* tracker_ref;  // strong ref to the Python Tracker: handles may outlive its owner
   int64_t id;
   uint64_t generation;
+  uint64_t weights_epoch;  // the tracker's weights epoch when the forward saved it
   int64_t delta;          // element offset of the saved view from the start of param.data
   bool holds_reference;   // set once the acquire it must give back has happened
   DimVector sizes;
@@ -369,6 +370,7 @@ py::object Tracker::pack(py::handle self, py::handle obj) {
   h->tracker_ref = self.inc_ref().ptr();
   h->id = id;
   h->generation = generation_;
+  h->weights_epoch = weights_epoch_;
   h->delta = delta;
   h->holds_reference = false;
   new (&h->sizes) DimVector();
@@ -401,6 +403,13 @@ py::object Tracker::unpack(py::handle obj) {
               "zero_lifetime: saved param ds_id=", h->id,
               " belongs to another tracker or was unregistered (unregister_all) before "
               "backward used it");
+  // torch refuses a saved tensor modified in place since the forward; with saved-tensor
+  // hooks it does not check, so the step that updated the weights is checked here.
+  TORCH_CHECK(h->weights_epoch == weights_epoch_, "zero_lifetime: param ds_id=", h->id,
+              " was updated by an optimizer step() after the forward that saved it for this "
+              "backward. torch refuses the same for a param modified in place (\"one of the "
+              "variables needed for gradient computation has been modified by an inplace "
+              "operation\"); run a new forward after step()");
   const auto entry = params_.find(h->id);
   TORCH_CHECK(entry != params_.end(), "zero_lifetime: saved param ds_id=", h->id,
               " is no longer registered");

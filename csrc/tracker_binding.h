@@ -47,6 +47,8 @@ class __attribute__((visibility("hidden"))) Tracker {
   // gather): one call per module forward instead of one per param.
   void note_gathered_all(py::handle params);
   void note_released(py::handle param);
+  // An optimizer step changed the weights: handles saved before it refuse to unpack.
+  void advance_weights_epoch() { ++weights_epoch_; }
 
   // Hot path. `self` is this tracker's Python object: handles keep it alive.
   py::object pack(py::handle self, py::handle tensor);
@@ -87,6 +89,7 @@ class __attribute__((visibility("hidden"))) Tracker {
   std::unordered_map<const c10::TensorImpl*, int64_t> id_by_impl_;
   // Handles from before unregister_all() carry an older generation and become inert.
   uint64_t generation_ = 0;
+  uint64_t weights_epoch_ = 0;
   py::object gather_ = py::none();
   py::object on_pinned_ = py::none();
   py::object on_unpinned_ = py::none();

@@ -494,6 +494,30 @@ def test_unregister_all_makes_live_handles_inert(Tracker):
     assert sim.unpinned_events == []
 
 
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_handles_saved_before_a_weights_update_refuse_to_unpack(Tracker, policy):
+    """advance_weights_epoch() (an optimizer step): a graph saved before it cannot be
+    backwarded, as torch refuses a param modified in place; one saved after it can."""
+    sim, params, values, x_value = build(Tracker, policy)
+    tr = sim.tracker
+    x = x_value.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(tr.pack, tr.unpack):
+        stale = forward(x, **params).pow(2).sum()
+    tr.advance_weights_epoch()
+    with pytest.raises(RuntimeError, match="updated by an optimizer step.*modified by an inplace operation"):
+        stale.backward()
+    del stale
+    gc.collect()
+    assert tr.stats()["live_handles"] == 0  # the refused graph gave its references back
+    x = x_value.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(tr.pack, tr.unpack):
+        fresh = forward(x, **params).pow(2).sum()
+    for p in params.values():
+        p.grad = None
+    fresh.backward()
+    assert_grads_match(x, params, values, x_value)
+
+
 def test_callback_error_in_handle_death_is_reported_not_raised(Tracker, monkeypatch):
     p = make_param(0, torch.randn(3))
     tr = Tracker("pin", -1)

@@ -167,6 +167,11 @@ def _build_scenarios():
         # (raise, the window so far dropped), ZeRO-1 does not (nothing to check, no raise).
         out.append(dict(id=f"bucket_order-stage{stage}-gas2", kind="bucket_order", stage=stage, offload=False,
                         path="engine", check=True, install=True, gas=2))
+    # A backward through a graph saved before step(): every rank refuses it as torch does,
+    # then the ranks train on in step.
+    for stage, policy in ((1, "regather"), (2, "regather"), (3, "regather"), (3, "pin")):
+        out.append(dict(id=f"stale-stage{stage}-{policy}", kind="stale", stage=stage, policy=policy,
+                        zero=eager_release if stage == 3 else {}))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -429,6 +434,61 @@ def _run_stock(sc, rank):
     return record
 
 
+def _run_stale(sc, rank):
+    """Step 0: backward l1 (graph retained), step(), then backward l2 through the stale graph:
+    refused on every rank (the plain-torch oracle refuses it too). Steps 1-2: retained two
+    backwards, against the oracle averaged over the ranks by all_reduce."""
+    import copy
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import zero_lifetime
+    from harness import MODELS, ds_config, full_weights, losses
+
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    oracle = copy.deepcopy(model)
+    lr = LR["mlp_norm"]
+    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **sc["zero"]),
+                                      model_parameters=model.parameters())
+    zero_lifetime.install(engine, policy=sc["policy"])
+    x = _shard("mlp_norm", 0, rank)
+    raised = {}
+    e1, e2 = losses(engine(x))
+    engine.backward(e1, retain_graph=True)
+    engine.step()
+    try:
+        engine.backward(e2)
+    except RuntimeError as exc:
+        raised["engine"] = str(exc)
+    r1, r2 = losses(oracle(x))
+    r1.backward(retain_graph=True)
+    for p in oracle.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= WORLD
+    opt.step()
+    opt.zero_grad()
+    try:
+        r2.backward()
+    except RuntimeError as exc:
+        raised["oracle"] = str(exc)
+    del e1, e2, r1, r2
+    engine.zero_grad()
+    opt.zero_grad()
+    steps = dict(kind="steps", model="mlp_norm", gas=1, zero_grad=False, path="engine")
+    for step in (1, 2):
+        _engine_step(engine, dict(sc, **steps), step, 2, rank)
+        _allreduce_step(oracle, opt, steps, step, 2, rank)
+    want = {n: p.detach() for n, p in oracle.named_parameters()}
+    abs_diff, excess = _compare(full_weights(engine), want)
+    gc.collect()
+    record = {"raised": raised, "abs_diff": abs_diff, "tol_excess": excess, "stats": zero_lifetime.stats(engine)}
+    del engine
+    return record
+
+
 def _run_multitask(sc, rank):
     import multitask as mt
     import zero_lifetime
@@ -536,6 +596,8 @@ def _run_scenario(sc, rank):
         return _run_fp16(sc, rank)
     if sc["kind"] == "stock":
         return _run_stock(sc, rank)
+    if sc["kind"] == "stale":
+        return _run_stale(sc, rank)
     return _run_training(sc, rank)
 
 

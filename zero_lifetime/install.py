@@ -220,11 +220,23 @@ class Installation:
             self._backward_since_step = False
             if self.accumulation is not None:
                 self.accumulation.grads_cleared()
+            if self.engine.was_step_applied():
+                self._weights_changed()
             if boundary:
                 self.reporter.after_step()
             return result
 
         return step
+
+    def _weights_changed(self) -> None:
+        """A backward through a graph saved before this step must fail, as in torch (a param
+        modified in place). DeepSpeed writes the new weights through ``.data``, which torch's
+        check does not see, so the stale graph would run with the new weights, silently."""
+        if self.lifetime is not None:
+            self.lifetime.weights_changed()  # ZeRO-3: saved params go through the tracker's hooks
+        else:
+            for param in self._trainable:  # ZeRO-1/2: torch's own check then fires
+                torch.autograd.graph.increment_version(param)
 
     def _destroy(self, original):
 

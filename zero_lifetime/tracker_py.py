@@ -53,11 +53,12 @@ class SavedParam:
     Its death (``__del__``) drops the reference it counted.
     """
 
-    __slots__ = ("_tracker", "ds_id", "_generation", "_sizes", "_strides", "_delta")
+    __slots__ = ("_tracker", "ds_id", "_generation", "_weights_epoch", "_sizes", "_strides", "_delta")
 
-    def __init__(self, tracker: "Tracker", ds_id: int, generation: int,
+    def __init__(self, tracker: "Tracker", ds_id: int, generation: int, weights_epoch: int,
                  sizes: tuple, strides: tuple, delta: int) -> None:
         self._tracker = tracker
+        self._weights_epoch = weights_epoch
         self.ds_id = ds_id
         self._generation = generation
         self._sizes = sizes
@@ -100,6 +101,7 @@ class Tracker:
         self._start_by_id: Dict[int, int] = {}
         # Handles made before unregister_all() carry an older generation and are inert.
         self._generation = 0
+        self._weights_epoch = 0  # advanced by each optimizer step that changed the weights
         self._gather: Optional[Callable[[Any], Any]] = None
         self._on_pinned: Optional[Callable[[Any], Any]] = None
         self._on_unpinned: Optional[Callable[[Any], Any]] = None
@@ -144,6 +146,10 @@ class Tracker:
             self._params[ds_id] = p
             self._numel[ds_id] = numel
             self._id_by_obj[id(p)] = ds_id
+
+    def advance_weights_epoch(self) -> None:
+        """An optimizer step changed the weights: handles saved before it refuse to unpack."""
+        self._weights_epoch += 1
 
     def unregister_all(self) -> None:
         """Forget every param. Live handles become inert (their death releases nothing)."""
@@ -247,7 +253,7 @@ class Tracker:
             pinned_now = self._acquire_locked(ds_id)
         # Create the handle before the callback: if on_pinned raises, the handle's death
         # still gives the reference back.
-        handle = SavedParam(self, ds_id, gen, tuple(t.shape), t.stride(), delta)
+        handle = SavedParam(self, ds_id, gen, self._weights_epoch, tuple(t.shape), t.stride(), delta)
         if pinned_now and self._on_pinned is not None:
             self._on_pinned(p)
         return handle
@@ -290,6 +296,14 @@ class Tracker:
                 f"zero_lifetime: saved param ds_id={obj.ds_id} belongs to another tracker or "
                 "was unregistered (unregister_all) before backward used it")
         ds_id = obj.ds_id
+        if obj._weights_epoch != self._weights_epoch:
+            # torch refuses a saved tensor modified in place since the forward; with
+            # saved-tensor hooks it does not check, so the step is checked here.
+            raise RuntimeError(
+                f"zero_lifetime: param ds_id={ds_id} was updated by an optimizer step() after the forward "
+                "that saved it for this backward. torch refuses the same for a param modified in place "
+                "(\"one of the variables needed for gradient computation has been modified by an inplace "
+                "operation\"); run a new forward after step()")
         p = self._params[ds_id]
         if self._needs_gather(p, ds_id):
             if self._gather is None:
