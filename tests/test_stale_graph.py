@@ -77,3 +77,22 @@ def test_a_step_that_changed_nothing_keeps_the_graph():
     assert not engine.was_step_applied()
     (x_grad, ) = torch.autograd.grad(l2, [x])  # through every layer: unpacks the saved params
     assert x_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_step_skipped_on_fp16_overflow_keeps_the_graph(stage):
+    """An fp16 step skipped on overflow changed no weight: the retained graph stays usable,
+    as torch's GradScaler leaves the params untouched when it skips."""
+    import fp16_scaling
+    import multitask as mt
+    model, _ = mt.make_models()
+    engine = fp16_scaling.build_engine(model.half(), stage, offload=False, bucket=100)
+    zero_lifetime.install(engine)
+    out = engine(mt.batches(0)[0].half(), (0, 1))
+    first, second = mt.zero_grad_between_losses(out)
+    engine.backward(first * fp16_scaling.BOOST, retain_graph=True)  # overflows
+    engine.step()
+    assert not engine.was_step_applied()
+    engine.backward(second)  # through the same graph: no refusal
+    engine.step()
+    assert engine.was_step_applied()
