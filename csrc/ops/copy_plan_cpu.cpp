@@ -32,8 +32,8 @@ constexpr int64_t kMemcpyPieceBytes = 256 * 1024;
 // their pages misses the TLB, and the hardware prefetchers restart at every page and source.
 // Touching each page of the segment kPrefetchAhead segments ahead starts those walks and reads
 // early. Measured on an AMD EPYC (2000 x 8 KiB bf16 sources into fp32): the copy 1.38x -> 1.19x
-// of one contiguous copy_; 2-16 segments ahead gave the same, the next segment's first lines
-// alone nothing (docs/benchmarks.md). Larger segments stream well: only their first pages.
+// of one contiguous copy_ (4-16 segments ahead alike, 1-2 less); the next segment's first lines
+// alone gave nothing (docs/benchmarks.md). Larger segments stream well: only their first pages.
 constexpr size_t kPrefetchAhead = 8;
 constexpr int64_t kPageBytes = 4096;
 constexpr int64_t kPrefetchMaxBytes = 16 * kPageBytes;
