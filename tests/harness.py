@@ -3,12 +3,15 @@
 import copy
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import deepspeed
+import zero_lifetime
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import safe_get_full_fp32_param
+from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.bench.step import gathered_bytes  # noqa: F401  (re-exported to the tests)
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -155,6 +158,18 @@ def graph_has_compiled_code(out) -> bool:
             return True
         stack.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def assert_install_refused(engine, error_match=None, warning_match="Continuing without zero_lifetime") -> str:
+    """install() raises UnsupportedDeepSpeedError and patches nothing; with strict=False it
+    warns, returns None, and patches nothing either. Returns the error's message."""
+    with pytest.raises(UnsupportedDeepSpeedError, match=error_match) as refused:
+        zero_lifetime.install(engine)
+    assert "forward" not in engine.__dict__
+    with pytest.warns(RuntimeWarning, match=warning_match):
+        assert zero_lifetime.install(engine, strict=False) is None
+    assert "forward" not in engine.__dict__
+    return str(refused.value)
 
 
 def full_weights(engine):
