@@ -1,7 +1,9 @@
 """python -m zero_lifetime.bench {release,gather,bucket,step,all} [options]
+python -m zero_lifetime.bench compare FIRST.json SECOND.json
 
 Each sub-command runs the stock DeepSpeed way and the zero_lifetime way side by side in
 one process (interleaved rounds), and prints medians, ratios and issue 4's targets.
+`compare` says whether two runs' JSON files agree within each run's own noise.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from . import bucket, gather, release, step
+from . import bucket, compare, gather, release, step
 from .report import Progress, print_results, print_targets, write_json, write_plot
 
 BENCHES = {  # name -> (module, title)
@@ -33,10 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", metavar="PATH", help="write every raw sample and the environment here")
     common.add_argument("--plot", metavar="PATH", help="write a PNG: bandwidth vs size per method, roofline drawn")
     parser = argparse.ArgumentParser(prog="python -m zero_lifetime.bench", description=__doc__.split("\n\n")[1])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{release,gather,bucket,step,all}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{release,gather,bucket,step,all,compare}")
     for name, (module, title) in BENCHES.items():
         sub.add_parser(name, parents=[common], help=title, description=(module.__doc__ or title).strip())
     sub.add_parser("all", parents=[common], help="every benchmark, sizes sweeping many small -> few large")
+    compare_parser = sub.add_parser("compare", help="whether two --json runs agree within noise",
+                                    description=compare.__doc__.strip(),
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare_parser.add_argument("first", metavar="FIRST.json")
+    compare_parser.add_argument("second", metavar="SECOND.json")
+    compare_parser.add_argument("--tolerance", type=_fraction, default=compare.DEFAULT_TOLERANCE,
+                                help="relative change of a median ratio still counted as the same "
+                                     f"(default {compare.DEFAULT_TOLERANCE}; 0: overlapping IQRs only)")
     return parser
 
 
@@ -44,6 +54,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
 
 
@@ -97,6 +114,11 @@ def collect(args, env=None):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        try:
+            return compare.report(args.first, args.second, args.tolerance)
+        except compare.BenchFileError as error:
+            parser.exit(2, f"{parser.prog} compare: error: {error}\n")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
