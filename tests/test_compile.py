@@ -1,11 +1,15 @@
 """engine.compile() (torch.compile of the engine's module) with zero_lifetime installed, 1 rank,
 against plain torch; DeepCompile is refused. tests/test_two_ranks.py has the 2-rank cases."""
 
+import inspect
 import types
 
+import deepspeed
 import pytest
 import torch
+from deepspeed.accelerator import get_accelerator
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.utils import counters
 
 import zero_lifetime
 from harness import (BACKWARD_PATHS, CountingBackend, assert_install_refused, assert_weights_match, graph_has_compiled_code, losses,
@@ -25,14 +29,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _compiled_pair(model_name, stage, order, backend, policy="regather"):
+def _compiled_pair(model_name, stage, order, backend, policy="regather", compile_kwargs=None):
     engine, reference, ref_opt = make_pair(model_name, stage, **(EAGER_RELEASE if stage == 3 else {}))
     counting = CountingBackend(backend)
     if order == "install_then_compile":
         zero_lifetime.install(engine, policy=policy)
-        engine.compile(backend=counting)
+        engine.compile(backend=counting, **(compile_kwargs or {}))
     else:  # the order of accelerate / the HF Trainer: compiled at prepare, installed after
-        engine.compile(backend=counting)
+        engine.compile(backend=counting, **(compile_kwargs or {}))
         zero_lifetime.install(engine, policy=policy)
     return engine, reference, ref_opt, counting
 
@@ -101,6 +105,36 @@ def test_inductor_compiled_zero3_matches_torch():
     engine, reference, ref_opt, backend = _compiled_pair("mlp_norm", 3, "compile_then_install", "inductor")
     compiled_steps = _train(engine, reference, ref_opt, "mlp_norm", [2, 2])
     assert backend.graphs > 0 and compiled_steps == 2, (backend.graphs, compiled_steps)
+    assert_weights_match(engine, reference)
+
+
+HAS_COMPILED_AUTOGRAD = "compiled_autograd_enabled" in inspect.signature(deepspeed.DeepSpeedEngine.compile).parameters
+
+
+@pytest.fixture
+def aot_eager_backward_compiler():
+    """DeepSpeed compiles the backward with its accelerator's backend (inductor on the CPU,
+    a C++ build per graph): aot_eager here, DeepSpeed's own setting restored after."""
+    accelerator = get_accelerator()
+    before = accelerator.get_compile_backend()
+    accelerator.set_compile_backend("aot_eager")
+    yield
+    accelerator.set_compile_backend(before)
+
+
+@pytest.mark.skipif(not HAS_COMPILED_AUTOGRAD, reason="engine.compile(compiled_autograd_enabled=) is DeepSpeed 0.18+")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_compiled_autograd_zero12_retained_backwards_match_torch(stage, aot_eager_backward_compiler):
+    """engine.compile(compiled_autograd_enabled=True): DeepSpeed runs engine.backward under
+    compiled autograd, which captures the backward graph with the gradient hooks in it.
+    (Stock ZeRO-2 fails here inside Dynamo, `tests/probe_compile_limits.py`; ZeRO-3 fails
+    stock and installed alike.)"""
+    counters.clear()
+    engine, reference, ref_opt, backend = _compiled_pair("mlp_norm", stage, "compile_then_install", "aot_eager",
+                                                         compile_kwargs={"compiled_autograd_enabled": True})
+    compiled_steps = _train(engine, reference, ref_opt, "mlp_norm", [2, 1, 2])
+    assert backend.graphs > 0 and compiled_steps == 3, (backend.graphs, compiled_steps)
+    assert counters["compiled_autograd"]["captures"] > 0, dict(counters["compiled_autograd"])
     assert_weights_match(engine, reference)
 
 
