@@ -8,11 +8,12 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
+from packaging.version import Version
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 import zero_lifetime
-from harness import (BACKWARD_PATHS, CountingBackend, assert_install_refused, assert_weights_match, graph_has_compiled_code, losses,
+from harness import (BACKWARD_PATHS, DS_VERSION, CountingBackend, assert_install_refused, assert_weights_match, graph_has_compiled_code, losses,
                      make_input, make_pair, reference_two_backwards, two_backwards)
 from zero_lifetime.install import Installation
 from zero_lifetime.zero3_lifetime import Zero3Lifetime
@@ -108,7 +109,11 @@ def test_inductor_compiled_zero3_matches_torch():
     assert_weights_match(engine, reference)
 
 
-HAS_COMPILED_AUTOGRAD = "compiled_autograd_enabled" in inspect.signature(deepspeed.DeepSpeedEngine.compile).parameters
+# 0.17 has no compiled_autograd_enabled; on 0.18 DeepSpeed's own post-backward callback
+# (queue_callback in a hook) fails under compiled autograd, stock and installed alike
+# (tests/probe_compile_limits.py).
+COMPILED_AUTOGRAD_WORKS = ("compiled_autograd_enabled" in inspect.signature(deepspeed.DeepSpeedEngine.compile).parameters
+                           and Version(DS_VERSION) >= Version("0.19"))
 
 
 @pytest.fixture
@@ -122,7 +127,7 @@ def aot_eager_backward_compiler():
     accelerator.set_compile_backend(before)
 
 
-@pytest.mark.skipif(not HAS_COMPILED_AUTOGRAD, reason="engine.compile(compiled_autograd_enabled=) is DeepSpeed 0.18+")
+@pytest.mark.skipif(not COMPILED_AUTOGRAD_WORKS, reason="DeepSpeed before 0.19 fails compiled autograd itself")
 @pytest.mark.parametrize("stage", [1, 2])
 def test_compiled_autograd_zero12_retained_backwards_match_torch(stage, aot_eager_backward_compiler):
     """engine.compile(compiled_autograd_enabled=True): DeepSpeed runs engine.backward under
