@@ -3,7 +3,9 @@
 * :func:`bucket_fill` - gradients (any mix of fp32/bf16/fp16, scaled, cast) into a flat
   reduction bucket, instead of one ``narrow().copy_()`` per parameter;
 * :func:`gather_copy_out` - an all-gathered rank-major flat buffer back into whole
-  parameters, instead of one ``torch.cat`` per parameter.
+  parameters, instead of one ``torch.cat`` per parameter;
+* :func:`repoint_to_slices` - each gradient's ``.data`` made a view of its bucket slice,
+  instead of a Python loop of views and ``.data`` assignments.
 
 Both are ``torch.ops.zero_lifetime`` operators from the compiled extension (CPU, CUDA
 when built with CUDA, Meta). Without it (no compiler, or ``ZERO_LIFETIME_FORCE_PYTHON=1``),
@@ -115,6 +117,33 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
             and fast[1](gathered, out, shard_numels, numels, world_size)):
         return
     impls[1](gathered, out, shard_numels, numels, world_size)
+
+
+def repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    """tensors[i].data = buffer[offsets[i] : offsets[i] + tensors[i].numel()] viewed in
+    tensors[i]'s shape, for every i: what DeepSpeed does to each gradient once it is copied into
+    its bucket. Every argument is checked before any tensor changes. The compiled entry makes
+    the views without a Python loop; the pure-torch loop runs without it, for tensors that need
+    the dispatcher (subclasses, requires_grad, active modes) and while compiling."""
+    tensors, offsets = _as_sequence(tensors), _as_sequence(offsets)
+    fast = _repoint_entry()
+    if fast is not None and not torch.compiler.is_compiling() and fast(buffer, tensors, offsets):
+        return
+    ops_reference.repoint_to_slices(buffer, tensors, offsets)
+
+
+_repoint_fast = None
+
+
+def _repoint_entry():
+    """The compiled repoint entry, looked up once; None without the compiled module."""
+    global _repoint_fast
+    if _repoint_fast is None:
+        module = _compiled_module_or_none("repoint_to_slices_fast")
+        if module is None:
+            return None  # not cached: ZERO_LIFETIME_FORCE_PYTHON is read at every lookup
+        _repoint_fast = module.repoint_to_slices_fast
+    return _repoint_fast
 
 
 def gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

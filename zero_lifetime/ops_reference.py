@@ -166,3 +166,32 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
                 gathered.narrow(0, rank * segment + src_offset, take))
         src_offset += shard
         dst_offset += n
+
+
+def check_repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
+                            offsets: Sequence[int]) -> None:
+    op = "repoint_to_slices"
+    _check_flat(op, "buffer", buffer)
+    if len(tensors) != len(offsets):
+        _fail(f"{op}: got {len(tensors)} tensors but {len(offsets)} offsets")
+    numel = buffer.numel()
+    for i, (t, off) in enumerate(zip(tensors, offsets)):
+        if t.device != buffer.device:
+            _fail(f"{op}: tensors[{i}] is on {t.device} but buffer is on {buffer.device}")
+        if t.layout != torch.strided:
+            _fail(f"{op}: tensors[{i}] has layout {_layout_name(t)}; expected a dense (strided) tensor")
+        if off < 0:
+            _fail(f"{op}: offsets[{i}] is negative ({off})")
+        n = t.numel()
+        if off > numel - n:
+            _fail(f"{op}: tensors[{i}] ({n} elements at offset {off}) is out of bounds of the "
+                  f"buffer ({numel} elements)")
+
+
+def repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
+                      offsets: Sequence[int]) -> None:
+    """tensors[i].data = buffer[offsets[i] : offsets[i] + tensors[i].numel()] viewed in
+    tensors[i]'s shape, for every i; every argument checked before any tensor changes."""
+    check_repoint_to_slices(buffer, tensors, offsets)
+    for t, off in zip(tensors, offsets):
+        t.data = buffer.narrow(0, off, t.numel()).view_as(t)

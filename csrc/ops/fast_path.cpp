@@ -151,6 +151,62 @@ bool gather_copy_out_fast(py::handle gathered_obj, py::handle out_obj, py::handl
   return true;
 }
 
+// A view of buffer[offset : offset + numel(sizes)] in `sizes`: what narrow().view() makes,
+// built the way torch builds its own aliases (alias_with_sizes_and_strides), without two trips
+// through the dispatcher per tensor.
+at::Tensor slice_view(const at::Tensor& buffer, int64_t offset, c10::IntArrayRef sizes) {
+  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(buffer.storage()), buffer.key_set(), buffer.dtype());
+  c10::TensorImpl* impl = view.unsafeGetTensorImpl();
+  impl->set_storage_offset(buffer.storage_offset() + offset);
+  impl->set_sizes_contiguous(sizes);
+  return view;
+}
+
+// tensors[i].data = buffer[offsets[i] :].view(tensors[i].shape): what DeepSpeed does to each
+// gradient once it is in its bucket. From Python that is two view ops and the .data setter,
+// ~4 us a tensor on CPU: 8192 gradients took 9x the time of the fused fill of their bytes.
+// Every argument is checked before any tensor changes (the Python loop would stop halfway).
+bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handle offsets) {
+  constexpr const char* op = "repoint_to_slices";
+  if (modes_active()) return false;
+  const at::Tensor* buffer = plain_tensor(buffer_obj.ptr());
+  if (buffer == nullptr) return false;
+  py::tuple owners = py::reinterpret_steal<py::tuple>(PySequence_Tuple(tensors.ptr()));
+  if (!owners) throw py::error_already_set();
+  const auto n = static_cast<size_t>(owners.size());
+  std::vector<const at::Tensor*> targets(n);
+  for (size_t i = 0; i < n; ++i) {
+    targets[i] = plain_tensor(PyTuple_GET_ITEM(owners.ptr(), static_cast<Py_ssize_t>(i)));
+    if (targets[i] == nullptr) return false;
+  }
+  const std::vector<int64_t> offset_values = int_values(offsets, "offsets must be a sequence");
+  TORCH_CHECK(buffer->layout() == c10::kStrided, op,
+              ": buffer must be a dense (strided) tensor, got layout ", buffer->layout());
+  TORCH_CHECK(buffer->dim() == 1 && buffer->is_contiguous(), op,
+              ": buffer must be a 1-D contiguous tensor, got sizes ", buffer->sizes(), " strides ",
+              buffer->strides());
+  TORCH_CHECK(n == offset_values.size(), op, ": got ", n, " tensors but ", offset_values.size(),
+              " offsets");
+  const int64_t buffer_numel = buffer->numel();
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = *targets[i];
+    TORCH_CHECK(t.device() == buffer->device(), op, ": tensors[", i, "] is on ", t.device(),
+                " but buffer is on ", buffer->device());
+    TORCH_CHECK(t.layout() == c10::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+                "; expected a dense (strided) tensor");
+    const int64_t offset = offset_values[i];
+    TORCH_CHECK(offset >= 0, op, ": offsets[", i, "] is negative (", offset, ")");
+    TORCH_CHECK(offset <= buffer_numel - t.numel(), op, ": tensors[", i, "] (", t.numel(),
+                " elements at offset ", offset, ") is out of bounds of the buffer (", buffer_numel,
+                " elements)");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    targets[i]->set_data(slice_view(*buffer, offset_values[i], targets[i]->sizes()));
+  }
+  return true;
+}
+
 }  // namespace
 
 void add_fast_path_bindings(py::module& m) {
@@ -160,6 +216,9 @@ void add_fast_path_bindings(py::module& m) {
   m.def("gather_copy_out_fast", &gather_copy_out_fast, py::arg("gathered"), py::arg("out"),
         py::arg("shard_numels"), py::arg("numels"), py::arg("world_size"),
         "gather_copy_out for plain CPU/CUDA tensors without the dispatcher; False when it does not apply");
+  m.def("repoint_to_slices_fast", &repoint_to_slices_fast, py::arg("buffer"), py::arg("tensors"),
+        py::arg("offsets"),
+        "repoint_to_slices for plain tensors without a Python loop; False when it does not apply");
   m.def("streaming_store_threshold", &streaming_store_threshold,
         "Destination bytes from which CPU fused copies use non-temporal stores");
   m.def("set_streaming_store_threshold", &set_streaming_store_threshold, py::arg("nbytes"),
