@@ -28,7 +28,7 @@ def fill_and_repoint(buffer, grads, offsets, scale: float = 1.0, before_repoint=
     """One fused fill of ``grads`` into ``buffer`` at ``offsets``, then each gradient's
     data becomes its slice. ``before_repoint(grad)`` runs while the old storage is still held."""
     ops.bucket_fill(buffer, grads, offsets, scale)
-    for grad, offset in zip(grads, offsets):
-        if before_repoint is not None:
+    if before_repoint is not None:
+        for grad in grads:
             before_repoint(grad)
-        grad.data = buffer.narrow(0, offset, grad.numel()).view_as(grad)
+    ops.repoint_to_slices(buffer, grads, offsets)
