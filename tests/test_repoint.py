@@ -12,6 +12,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, re
 SHAPES = [(5, ), (2, 3), (), (0, ), (4, 1, 2)]
 
 
+class _Sub(torch.Tensor):
+    """A subclass: may override .data, so the direct entry leaves it to the Python loop."""
+
+
 def _direct_entry():
     module = _native.load() if ops.native_available() else None
     if module is None or not hasattr(module, "repoint_to_slices_fast"):
@@ -20,8 +24,8 @@ def _direct_entry():
 
 
 def _must_apply(entry):
-    def call(buffer, tensors, offsets):
-        assert entry(buffer, tensors, offsets) is True, "the direct entry declined plain tensors"
+    def call(buffer, tensors, offsets, shapes=None):
+        assert entry(buffer, tensors, offsets, shapes) is True, "the direct entry declined plain tensors"
     return call
 
 
@@ -103,9 +107,7 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("match, make", ERRORS, ids=[m.split(" ")[0] for m, _ in ERRORS])
-def test_errors_change_nothing(repoint, match, make, request):
-    if "meta" in match and request.node.callspec.params["repoint"] == "direct":
-        pytest.skip("a meta tensor is declined by the direct entry (test_the_direct_entry_declines...)")
+def test_errors_change_nothing(repoint, match, make):
     buffer = torch.zeros(10)
     tensors, offsets = make(buffer)
     before = [t.data_ptr() if t.layout == torch.strided and t.device.type != "meta" else None for t in tensors]
@@ -125,19 +127,57 @@ def test_the_buffer_must_be_flat(repoint, buffer, match):
         repoint(buffer, [torch.ones(2)], [0])
 
 
-def test_the_direct_entry_declines_what_needs_the_dispatcher():
+def test_parameters_take_their_full_shape(repoint):
+    """The fused ZeRO-3 gather: released params (numel 0) become views of their slice in ds_shape."""
+    params = [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))]
+    theirs = [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))]
+    shapes, offsets = [torch.Size([2, 3]), (4, )], [0, 6]
+    buffer = torch.arange(10.0)
+    repoint(buffer, params, offsets, shapes)
+    for p, shape, off in zip(theirs, shapes, offsets):  # the stock wait's assignment
+        p.data = buffer.narrow(0, off, torch.Size(shape).numel()).view(shape)
+    for a, b in zip(params, theirs):
+        assert _layout(a) == _layout(b)
+        assert a.requires_grad and isinstance(a, torch.nn.Parameter)
+    torch.testing.assert_close(params[1].detach(), torch.tensor([6.0, 7, 8, 9]), rtol=0, atol=0)
+
+
+SHAPE_ERRORS = [
+    ("got 2 tensors but 1 shapes", [(2, ), (4, )][:1], [0, 2]),
+    ("shapes\\[1\\] \\[2, -1\\] has a negative size", [(2, ), (2, -1)], [0, 2]),
+    ("tensors\\[1\\] \\(8 elements at offset 4\\) is out of bounds", [(2, ), (2, 4)], [0, 4]),
+    ("tensors\\[1\\] \\(shape \\[1099511627776, 1099511627776\\]\\) is out of bounds",
+     [(2, ), (1 << 40, 1 << 40)], [0, 2]),
+]
+
+
+@pytest.mark.parametrize("match, shapes, offsets", SHAPE_ERRORS, ids=["count", "negative", "bounds", "overflow"])
+def test_shape_errors_change_nothing(repoint, match, shapes, offsets):
+    tensors = [torch.ones(2), torch.ones(4)]
+    before = [t.data_ptr() for t in tensors]
+    with pytest.raises(RuntimeError, match=match):
+        repoint(torch.zeros(10), tensors, offsets, shapes)
+    assert [t.data_ptr() for t in tensors] == before
+
+
+def test_a_shape_with_a_zero_is_empty_whatever_its_other_sizes(repoint):
+    t = torch.ones(3)
+    repoint(torch.zeros(4), [t], [4], [(1 << 40, 0)])
+    assert t.shape == (1 << 40, 0) and t.numel() == 0
+
+
+def test_the_direct_entry_declines_what_needs_the_python_loop():
     entry = _direct_entry()
     buffer = torch.zeros(8)
-    cases = [
-        [torch.ones(2, requires_grad=True)],
-        [torch.nn.Parameter(torch.ones(2))],
-    ]
-    for tensors in cases:
-        before = tensors[0].data_ptr()
-        assert entry(buffer, tensors, [0]) is False
-        assert tensors[0].data_ptr() == before
-    assert entry(torch.zeros(8, device="meta"), [torch.ones(2, device="meta")], [0]) is False
-    assert entry(buffer, [torch.ones(2), torch.ones(2, device="meta")], [0, 2]) is False
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.ones(2).as_subclass(Sub)
+    before = sub.data_ptr()
+    assert entry(buffer, [sub], [0]) is False  # a subclass may override .data
+    assert sub.data_ptr() == before
+    assert entry(buffer.as_subclass(Sub), [torch.ones(2)], [0]) is False
 
     class Recording(torch.utils._python_dispatch.TorchDispatchMode):
         seen = []
@@ -154,8 +194,20 @@ def test_the_direct_entry_declines_what_needs_the_dispatcher():
     assert grad.data_ptr() == buffer.data_ptr() + 8
 
 
+def test_the_direct_entry_takes_parameters_and_tensors_that_require_grad():
+    entry = _direct_entry()
+    buffer = torch.zeros(8)
+    tensors = [torch.ones(2, requires_grad=True), torch.nn.Parameter(torch.ones(3))]
+    assert entry(buffer, tensors, [0, 4]) is True
+    assert [t.data_ptr() for t in tensors] == [buffer.data_ptr(), buffer.data_ptr() + 16]
+    assert all(t.requires_grad and t.is_leaf for t in tensors)
+    meta = [torch.ones(2, device="meta")]
+    assert entry(torch.zeros(8, device="meta"), meta, [6]) is True
+    assert meta[0].device.type == "meta" and meta[0].storage_offset() == 6
+
+
 @pytest.mark.parametrize("make", [
-    lambda: [torch.ones(2, requires_grad=True), torch.ones(3)],  # declined: the Python loop runs
+    lambda: [torch.ones(2).as_subclass(_Sub), torch.ones(3)],  # declined: the Python loop runs
     lambda: [torch.ones(2), torch.ones(3)],
 ], ids=["declined-to-python", "direct"])
 def test_public_api_reads_one_shot_iterables_once(make):

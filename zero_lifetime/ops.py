@@ -16,7 +16,7 @@ runs instead, after one warning.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -119,17 +119,19 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
     impls[1](gathered, out, shard_numels, numels, world_size)
 
 
-def repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-    """tensors[i].data = buffer[offsets[i] : offsets[i] + tensors[i].numel()] viewed in
-    tensors[i]'s shape, for every i: what DeepSpeed does to each gradient once it is copied into
-    its bucket. Every argument is checked before any tensor changes. The compiled entry makes
-    the views without a Python loop; the pure-torch loop runs without it, for tensors that need
-    the dispatcher (subclasses, requires_grad, active modes) and while compiling."""
+def repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+                      shapes: Optional[Sequence[Sequence[int]]] = None) -> None:
+    """tensors[i].data = buffer[offsets[i] : offsets[i] + numel] viewed in shapes[i] (default:
+    tensors[i]'s own shape), for every i: what DeepSpeed does to each gradient once it is copied
+    into its bucket, and to each param of a gather. Every argument is checked before any tensor
+    changes. The compiled entry makes the views without a Python loop, for torch.Tensor and
+    nn.Parameter; subclasses, active modes and compiling take the pure-torch loop."""
     tensors, offsets = _as_sequence(tensors), _as_sequence(offsets)
+    shapes = None if shapes is None else _as_sequence(shapes)
     fast = _repoint_entry()
-    if fast is not None and not torch.compiler.is_compiling() and fast(buffer, tensors, offsets):
+    if fast is not None and not torch.compiler.is_compiling() and fast(buffer, tensors, offsets, shapes):
         return
-    ops_reference.repoint_to_slices(buffer, tensors, offsets)
+    ops_reference.repoint_to_slices(buffer, tensors, offsets, shapes)
 
 
 _repoint_fast = None

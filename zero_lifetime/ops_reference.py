@@ -7,7 +7,8 @@ two are interchangeable; correctness, not speed, is the point here.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -168,30 +169,42 @@ def gather_copy_out(gathered: torch.Tensor, out: torch.Tensor, shard_numels: Seq
         dst_offset += n
 
 
-def check_repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
-                            offsets: Sequence[int]) -> None:
+def check_repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+                            shapes: Optional[Sequence[Sequence[int]]] = None) -> List[int]:
+    """The checks of repoint_to_slices; returns each tensor's element count in its new shape."""
     op = "repoint_to_slices"
     _check_flat(op, "buffer", buffer)
     if len(tensors) != len(offsets):
         _fail(f"{op}: got {len(tensors)} tensors but {len(offsets)} offsets")
-    numel = buffer.numel()
+    if shapes is not None and len(tensors) != len(shapes):
+        _fail(f"{op}: got {len(tensors)} tensors but {len(shapes)} shapes")
+    numel, numels = buffer.numel(), []
     for i, (t, off) in enumerate(zip(tensors, offsets)):
         if t.device != buffer.device:
             _fail(f"{op}: tensors[{i}] is on {t.device} but buffer is on {buffer.device}")
         if t.layout != torch.strided:
             _fail(f"{op}: tensors[{i}] has layout {_layout_name(t)}; expected a dense (strided) tensor")
+        n = t.numel()
+        if shapes is not None:
+            shape = [int(size) for size in shapes[i]]
+            if any(size < 0 for size in shape):
+                _fail(f"{op}: shapes[{i}] {shape} has a negative size")
+            n = math.prod(shape)
+            if n > numel:
+                _fail(f"{op}: tensors[{i}] (shape {shape}) is out of bounds of the buffer ({numel} elements)")
         if off < 0:
             _fail(f"{op}: offsets[{i}] is negative ({off})")
-        n = t.numel()
         if off > numel - n:
             _fail(f"{op}: tensors[{i}] ({n} elements at offset {off}) is out of bounds of the "
                   f"buffer ({numel} elements)")
+        numels.append(n)
+    return numels
 
 
-def repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
-                      offsets: Sequence[int]) -> None:
-    """tensors[i].data = buffer[offsets[i] : offsets[i] + tensors[i].numel()] viewed in
-    tensors[i]'s shape, for every i; every argument checked before any tensor changes."""
-    check_repoint_to_slices(buffer, tensors, offsets)
-    for t, off in zip(tensors, offsets):
-        t.data = buffer.narrow(0, off, t.numel()).view_as(t)
+def repoint_to_slices(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+                      shapes: Optional[Sequence[Sequence[int]]] = None) -> None:
+    """tensors[i].data = buffer[offsets[i] : offsets[i] + numel] viewed in shapes[i] (default:
+    tensors[i]'s own shape), for every i; every argument checked before any tensor changes."""
+    numels = check_repoint_to_slices(buffer, tensors, offsets, shapes)
+    for i, (t, off, n) in enumerate(zip(tensors, offsets, numels)):
+        t.data = buffer.narrow(0, off, n).view(t.shape if shapes is None else tuple(shapes[i]))

@@ -22,6 +22,7 @@
 #include "ops/cpu_buffer_cache.h"
 #include "ops/fast_path.h"
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 
@@ -163,24 +164,44 @@ at::Tensor slice_view(const at::Tensor& buffer, int64_t offset, c10::IntArrayRef
   return view;
 }
 
-// tensors[i].data = buffer[offsets[i] :].view(tensors[i].shape): what DeepSpeed does to each
-// gradient once it is in its bucket. From Python that is two view ops and the .data setter,
-// ~4 us a tensor on CPU: 8192 gradients took 9x the time of the fused fill of their bytes.
-// Every argument is checked before any tensor changes (the Python loop would stop halfway).
-bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handle offsets) {
+// A tensor whose Python `.data = ...` is a plain set_data: torch.Tensor or nn.Parameter
+// (requires_grad or not), not a subclass, which may override it.
+const at::Tensor* settable_tensor(PyObject* obj) {
+  if (!THPVariable_CheckExact(obj)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  return t.defined() ? &t : nullptr;
+}
+
+// tensors[i].data = buffer[offsets[i] :].view(shapes[i]), shapes[i] = tensors[i].shape when
+// None: what DeepSpeed does to each gradient once it is in its bucket (and the fused ZeRO-3
+// gather to each param, with its full shape). From Python that is two view ops and the .data
+// setter, ~4 us a tensor on CPU: for 8192 gradients 9x the fused fill of their bytes. Every
+// argument is checked before any tensor changes (the Python loop would stop halfway).
+bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handle offsets,
+                            py::handle shapes) {
   constexpr const char* op = "repoint_to_slices";
   if (modes_active()) return false;
-  const at::Tensor* buffer = plain_tensor(buffer_obj.ptr());
+  const at::Tensor* buffer = settable_tensor(buffer_obj.ptr());
   if (buffer == nullptr) return false;
   py::tuple owners = py::reinterpret_steal<py::tuple>(PySequence_Tuple(tensors.ptr()));
   if (!owners) throw py::error_already_set();
   const auto n = static_cast<size_t>(owners.size());
   std::vector<const at::Tensor*> targets(n);
   for (size_t i = 0; i < n; ++i) {
-    targets[i] = plain_tensor(PyTuple_GET_ITEM(owners.ptr(), static_cast<Py_ssize_t>(i)));
+    targets[i] = settable_tensor(PyTuple_GET_ITEM(owners.ptr(), static_cast<Py_ssize_t>(i)));
     if (targets[i] == nullptr) return false;
   }
   const std::vector<int64_t> offset_values = int_values(offsets, "offsets must be a sequence");
+  std::vector<std::vector<int64_t>> shape_values;
+  if (!shapes.is_none()) {
+    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(shapes.ptr(), "shapes must be a sequence"));
+    if (!items) throw py::error_already_set();
+    PyObject** shape_items = PySequence_Fast_ITEMS(items.ptr());
+    shape_values.reserve(static_cast<size_t>(PySequence_Fast_GET_SIZE(items.ptr())));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items.ptr()); ++i) {
+      shape_values.push_back(int_values(shape_items[i], "shapes[i] must be a sequence of ints"));
+    }
+  }
   TORCH_CHECK(buffer->layout() == c10::kStrided, op,
               ": buffer must be a dense (strided) tensor, got layout ", buffer->layout());
   TORCH_CHECK(buffer->dim() == 1 && buffer->is_contiguous(), op,
@@ -188,6 +209,8 @@ bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handl
               buffer->strides());
   TORCH_CHECK(n == offset_values.size(), op, ": got ", n, " tensors but ", offset_values.size(),
               " offsets");
+  TORCH_CHECK(shapes.is_none() || n == shape_values.size(), op, ": got ", n, " tensors but ",
+              shape_values.size(), " shapes");
   const int64_t buffer_numel = buffer->numel();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = *targets[i];
@@ -195,14 +218,31 @@ bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handl
                 " but buffer is on ", buffer->device());
     TORCH_CHECK(t.layout() == c10::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
                 "; expected a dense (strided) tensor");
+    int64_t numel = t.numel();
+    if (!shape_values.empty()) {
+      const c10::IntArrayRef shape(shape_values[i]);
+      for (const int64_t size : shape) {
+        TORCH_CHECK(size >= 0, op, ": shapes[", i, "] ", shape, " has a negative size");
+      }
+      const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
+      numel = empty ? 0 : 1;
+      for (const int64_t size : shape) {
+        // Past the buffer before the product could overflow: out of bounds either way.
+        TORCH_CHECK(empty || numel <= buffer_numel / size, op, ": tensors[", i, "] (shape ", shape,
+                    ") is out of bounds of the buffer (", buffer_numel, " elements)");
+        if (!empty) numel *= size;
+      }
+    }
     const int64_t offset = offset_values[i];
     TORCH_CHECK(offset >= 0, op, ": offsets[", i, "] is negative (", offset, ")");
-    TORCH_CHECK(offset <= buffer_numel - t.numel(), op, ": tensors[", i, "] (", t.numel(),
+    TORCH_CHECK(offset <= buffer_numel - numel, op, ": tensors[", i, "] (", numel,
                 " elements at offset ", offset, ") is out of bounds of the buffer (", buffer_numel,
                 " elements)");
   }
   for (size_t i = 0; i < n; ++i) {
-    targets[i]->set_data(slice_view(*buffer, offset_values[i], targets[i]->sizes()));
+    const c10::IntArrayRef sizes =
+        shape_values.empty() ? targets[i]->sizes() : c10::IntArrayRef(shape_values[i]);
+    targets[i]->set_data(slice_view(*buffer, offset_values[i], sizes));
   }
   return true;
 }
@@ -217,7 +257,7 @@ void add_fast_path_bindings(py::module& m) {
         py::arg("shard_numels"), py::arg("numels"), py::arg("world_size"),
         "gather_copy_out for plain CPU/CUDA tensors without the dispatcher; False when it does not apply");
   m.def("repoint_to_slices_fast", &repoint_to_slices_fast, py::arg("buffer"), py::arg("tensors"),
-        py::arg("offsets"),
+        py::arg("offsets"), py::arg("shapes") = py::none(),
         "repoint_to_slices for plain tensors without a Python loop; False when it does not apply");
   m.def("streaming_store_threshold", &streaming_store_threshold,
         "Destination bytes from which CPU fused copies use non-temporal stores");
