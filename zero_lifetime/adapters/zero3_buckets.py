@@ -16,8 +16,10 @@ Two DeepSpeed copy loops (0.19.8 and 0.17.6 alike) are replaced (see ``zero_life
 """
 
 import inspect
+import itertools
 from typing import NamedTuple
 
+from .. import ops
 from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError, require
 from .patching import Patches
 
@@ -197,12 +199,13 @@ class Zero3GatherHandles:
 
     def hand_out(self, layout: FusedLayout, out) -> None:
         """Each param of the gather becomes its view of ``out`` and is available, as the stock wait leaves it."""
-        offset = 0
-        for param, numel in zip(layout.params, layout.numels):
-            assert param.ds_status == self.ZeroParamStatus.INFLIGHT, f"param {param.ds_summary()} is not inflight"
-            param.data = out.narrow(0, offset, numel).view(param.ds_shape)
-            param.ds_status = self.ZeroParamStatus.AVAILABLE
-            offset += numel
+        inflight, available = self.ZeroParamStatus.INFLIGHT, self.ZeroParamStatus.AVAILABLE
+        for param in layout.params:
+            assert param.ds_status == inflight, f"param {param.ds_summary()} is not inflight"
+        offsets = [0, *itertools.accumulate(layout.numels)][:-1]
+        ops.repoint_to_slices(out, layout.params, offsets, [param.ds_shape for param in layout.params])
+        for param in layout.params:
+            param.ds_status = available
 
     @staticmethod
     def shard_numels(handle):
