@@ -79,7 +79,7 @@ for phase in "$@"; do
       ;;
     tests_cuda)
       run kernel_paths 60 python3 tests/kernel_paths.py --device cuda
-      run pytest_cuda 240 python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py tests/test_native_link.py \
+      run pytest_cuda 240 python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py tests/test_repoint.py tests/test_native_link.py \
         tests/test_cuda_engine.py -k cuda -q -p no:cacheprovider -rs -s --durations=10
       ;;
     sanitize)
