@@ -216,3 +216,47 @@ def test_public_api_reads_one_shot_iterables_once(make):
     ops.repoint_to_slices(buffer, iter(tensors), iter([5, 0]))
     assert [t.data_ptr() for t in tensors] == [buffer.data_ptr() + 20, buffer.data_ptr()]
     torch.testing.assert_close(tensors[0].detach(), torch.tensor([5.0, 6.0]), rtol=0, atol=0)
+
+
+def _random_case(rng):
+    """Tensors of random shapes, offsets mostly in range, sometimes a shape list, sometimes a bad one."""
+    count = rng.randint(0, 6)
+    shapes = [tuple(rng.choice([0, 1, 2, 3, 5]) for _ in range(rng.randint(0, 3))) for _ in range(count)]
+    tensors = [torch.randn(shape) for shape in shapes]
+    buffer_numel = rng.randint(0, 40)
+    offsets = [rng.randint(-2, buffer_numel + 2) if rng.random() < 0.1 else rng.randint(0, buffer_numel)
+               for _ in range(count)]
+    new_shapes = None
+    if rng.random() < 0.5:
+        new_shapes = [tuple(rng.choice([0, 1, 2, 4]) for _ in range(rng.randint(0, 3))) for _ in range(count)]
+        if count and rng.random() < 0.1:
+            new_shapes[rng.randrange(count)] = (2, -1)
+    return torch.arange(float(buffer_numel)), tensors, offsets, new_shapes
+
+
+def test_random_cases_match_the_reference_results_and_errors():
+    """The compiled entry and the Python loop: the same tensors afterwards, or the same error with nothing changed."""
+    import random
+    entry = _direct_entry()
+    rng = random.Random(0)
+    outcomes = {"applied": 0, "refused": 0}
+    for case in range(300):
+        buffer, tensors, offsets, shapes = _random_case(rng)
+        twins = [t.clone() for t in tensors]
+        before = [_layout(t) for t in tensors]
+        try:
+            ops_reference.repoint_to_slices(buffer, twins, offsets, shapes)
+            expected = None
+        except RuntimeError as error:
+            expected = str(error)
+        if expected is None:
+            assert entry(buffer, tensors, offsets, shapes) is True, case
+            assert [_layout(t) for t in tensors] == [_layout(t) for t in twins], case
+            outcomes["applied"] += 1
+        else:
+            with pytest.raises(RuntimeError) as raised:
+                entry(buffer, tensors, offsets, shapes)
+            assert str(raised.value).split("\n")[0] == expected, case
+            assert [_layout(t) for t in tensors] == before, case
+            outcomes["refused"] += 1
+    assert min(outcomes.values()) > 30, outcomes  # both sides of the checks were exercised
