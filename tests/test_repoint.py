@@ -186,6 +186,9 @@ def test_the_direct_entry_declines_what_needs_the_python_loop():
             self.seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
+    with torch.inference_mode():
+        assert entry(buffer, [torch.ones(2)], [0]) is False
+
     grad = torch.ones(2)
     with Recording():
         assert entry(buffer, [grad], [0]) is False

@@ -13,6 +13,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -180,7 +181,8 @@ const at::Tensor* settable_tensor(PyObject* obj) {
 bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handle offsets,
                             py::handle shapes) {
   constexpr const char* op = "repoint_to_slices";
-  if (modes_active()) return false;
+  // Under inference mode torch makes views with other dispatch keys: its own ops decide.
+  if (modes_active() || c10::InferenceMode::is_enabled()) return false;
   const at::Tensor* buffer = settable_tensor(buffer_obj.ptr());
   if (buffer == nullptr) return false;
   py::tuple owners = py::reinterpret_steal<py::tuple>(PySequence_Tuple(tensors.ptr()));
