@@ -132,3 +132,17 @@ def test_a_real_run_compared_with_itself_reads_every_benchmark(tmp_path, capsys)
         assert f"| {result['case']} | " in printed, result["case"]
     assert "peak gathered, regather, retained two backwards: " in printed
     assert " 0 moved" in printed and "MOVED" not in printed
+
+
+def test_a_changed_peak_of_gathered_bytes_fails(tmp_path, capsys):
+    def retained(peak):
+        result = case("retained step", [1.5, 1.5, 1.5])
+        result.update(bench="step", ours=None, roofline=None,
+                      peak_gathered_bytes={"stock, single backward": 1 << 20, "regather": peak})
+        return [result]
+
+    first = run_file(tmp_path, "a.json", retained(1 << 20))
+    status, out = compared(tmp_path, first, run_file(tmp_path, "b.json", retained(1 << 20)), capsys)
+    assert status == 0 and "[same   ] peak gathered, regather: 1.00 / 1.00 MiB" in out, out
+    status, out = compared(tmp_path, first, run_file(tmp_path, "c.json", retained(3 << 20)), capsys)
+    assert status == 1 and "[CHANGED] peak gathered, regather: 1.00 / 3.00 MiB" in out, out
