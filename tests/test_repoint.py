@@ -263,3 +263,51 @@ def test_random_cases_match_the_reference_results_and_errors():
             assert [_layout(t) for t in tensors] == before, case
             outcomes["refused"] += 1
     assert min(outcomes.values()) > 30, outcomes  # both sides of the checks were exercised
+
+
+@pytest.fixture
+def compiled_repoints(monkeypatch):
+    """What the compiled entry answered on each ops.repoint_to_slices call (True: it re-pointed)."""
+    entry = _direct_entry()
+    answers = []
+
+    def recording(*args):
+        answers.append(entry(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(ops, "_repoint_fast", recording)
+    return answers
+
+
+def test_a_zero2_bucket_flush_re_points_through_the_compiled_entry(compiled_repoints):
+    """DeepSpeed's own ZeRO-2 bucket path (the bench's engine): the gradients are plain tensors."""
+    from zero_lifetime.bench.ds_paths import _Zero2Bucket
+    bucket = _Zero2Bucket(4, 8, install=True)
+    try:
+        bucket.reset()
+        bucket.fill()
+        assert compiled_repoints == [True]
+        base = bucket.buffer().data_ptr()
+        assert [p.grad.data_ptr() for _, p in bucket.group_params] == [base + 4 * 8 * k for k in range(4)]
+    finally:
+        bucket.close()
+
+
+def test_a_fused_zero3_gather_hands_out_params_through_the_compiled_entry(compiled_repoints):
+    """DeepSpeed's params are nn.Parameters: the compiled entry must take them, in ds_shape."""
+    import zero_lifetime
+    from zero_lifetime.bench.ds_paths import _GatheredParams, _zero3_fused
+    engine, fused = _zero3_fused()
+    try:
+        params = _GatheredParams(3, 10, 2, torch.device("cpu"))
+        params.reset()
+        fused.wait(params.handle)
+        assert compiled_repoints == [True]
+        assert all(p.shape == (10, ) and p.ds_status == params.status.AVAILABLE for p in params.params)
+        # rank-major shards of 5: param k is [rank 0's k-th shard, rank 1's k-th shard]
+        for k, p in enumerate(params.params):
+            want = torch.cat([params.gathered.narrow(0, r * 15 + 5 * k, 5) for r in range(2)])
+            torch.testing.assert_close(p.detach(), want, rtol=0, atol=0)
+    finally:
+        zero_lifetime.uninstall(engine)
+        engine.destroy()
