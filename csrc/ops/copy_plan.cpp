@@ -22,14 +22,6 @@ int64_t numel_of(const at::Tensor& t) {
   return t.sym_numel().guard_int(__FILE__, __LINE__);
 }
 
-void check_flat(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name,
-              " must be a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), op, ": ", name,
-              " must be a 1-D contiguous tensor, got sizes ", t.sym_sizes(), " strides ",
-              t.sym_strides());
-}
-
 void check_dtype(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(),
               " for ", name, "; expected float32, bfloat16 or float16");
@@ -75,6 +67,14 @@ bool aliases_own_slice(const BufferMemory& buffer, const SourceInfo& s, int64_t 
 }
 
 }  // namespace
+
+void check_flat(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name,
+              " must be a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), op, ": ", name,
+              " must be a 1-D contiguous tensor, got sizes ", t.sym_sizes(), " strides ",
+              t.sym_strides());
+}
 
 namespace {
 std::atomic<CudaPlanRunner> registered_cuda_runner{nullptr};

@@ -48,6 +48,9 @@ using Sources = c10::ArrayRef<SourceInfo>;
 SourceInfo describe_source(const at::Tensor& t, bool with_memory);
 std::vector<SourceInfo> describe_sources(at::TensorList tensors, bool with_memory);
 
+// `t` is a dense 1-D contiguous tensor (TORCH_CHECK, naming `op` and the argument `name`).
+void check_flat(const char* op, const char* name, const at::Tensor& t);
+
 // Argument checks (TORCH_CHECK); `check_memory` adds the pointer-based aliasing checks,
 // which meta tensors have no memory for (then sources come from describe_source(t, false)).
 // Work on symbolic shapes (fake tensors) too.

@@ -204,11 +204,7 @@ bool repoint_to_slices_fast(py::handle buffer_obj, py::handle tensors, py::handl
       shape_values.push_back(int_values(shape_items[i], "shapes[i] must be a sequence of ints"));
     }
   }
-  TORCH_CHECK(buffer->layout() == c10::kStrided, op,
-              ": buffer must be a dense (strided) tensor, got layout ", buffer->layout());
-  TORCH_CHECK(buffer->dim() == 1 && buffer->is_contiguous(), op,
-              ": buffer must be a 1-D contiguous tensor, got sizes ", buffer->sizes(), " strides ",
-              buffer->strides());
+  check_flat(op, "buffer", *buffer);
   TORCH_CHECK(n == offset_values.size(), op, ": got ", n, " tensors but ", offset_values.size(),
               " offsets");
   TORCH_CHECK(shapes.is_none() || n == shape_values.size(), op, ": got ", n, " tensors but ",
