@@ -7,10 +7,11 @@
 * :func:`repoint_to_slices` - each gradient's ``.data`` made a view of its bucket slice,
   instead of a Python loop of views and ``.data`` assignments.
 
-Both are ``torch.ops.zero_lifetime`` operators from the compiled extension (CPU, CUDA
-when built with CUDA, Meta). Without it (no compiler, or ``ZERO_LIFETIME_FORCE_PYTHON=1``),
+The two copies are ``torch.ops.zero_lifetime`` operators from the compiled extension (CPU,
+CUDA when built with CUDA, Meta). Without it (no compiler, or ``ZERO_LIFETIME_FORCE_PYTHON=1``),
 or on a device it has no kernel for, the pure-torch :mod:`zero_lifetime.ops_reference`
-runs instead, after one warning.
+runs instead, after one warning. ``repoint_to_slices`` moves no bytes and is no operator:
+the compiled module's direct entry, else the same pure-torch loop.
 """
 
 from __future__ import annotations
