@@ -5,6 +5,7 @@ torch assignment DeepSpeed makes per gradient, written out here."""
 import pytest
 import torch
 
+from test_ops import RecordingDispatchMode
 from zero_lifetime import _native, ops, ops_reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -170,30 +171,20 @@ def test_the_direct_entry_declines_what_needs_the_python_loop():
     entry = _direct_entry()
     buffer = torch.zeros(8)
 
-    class Sub(torch.Tensor):
-        pass
-
-    sub = torch.ones(2).as_subclass(Sub)
+    sub = torch.ones(2).as_subclass(_Sub)
     before = sub.data_ptr()
     assert entry(buffer, [sub], [0]) is False  # a subclass may override .data
     assert sub.data_ptr() == before
-    assert entry(buffer.as_subclass(Sub), [torch.ones(2)], [0]) is False
-
-    class Recording(torch.utils._python_dispatch.TorchDispatchMode):
-        seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
+    assert entry(buffer.as_subclass(_Sub), [torch.ones(2)], [0]) is False
 
     with torch.inference_mode():
         assert entry(buffer, [torch.ones(2)], [0]) is False
 
     grad = torch.ones(2)
-    with Recording():
+    with RecordingDispatchMode() as mode:
         assert entry(buffer, [grad], [0]) is False
         ops.repoint_to_slices(buffer, [grad], [2])  # then the Python loop, which the mode sees
-    assert "aten.view.default" in Recording.seen, Recording.seen
+    assert "aten.view.default" in mode.seen, mode.seen
     assert grad.data_ptr() == buffer.data_ptr() + 8
 
 
