@@ -10,15 +10,10 @@ contiguous copy). Rank 0 writes the samples.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import tempfile
 from typing import List
 
 from . import sizes
-from .rank_launch import run_ranks
+from .rank_launch import run_worker, worker_main
 from .report import Progress, Result
 
 STOCK = "stock all_gather_coalesced + per-param cat"
@@ -28,26 +23,16 @@ WORKER_TIMEOUT_S = 300
 
 
 def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress = None) -> List[Result]:
-    shapes = sizes.shapes(quick)
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = os.path.join(tmp, "spec.json")
-        out = os.path.join(tmp, "rank0.json")
-        with open(spec, "w") as f:
-            json.dump({"device": device, "repeats": repeats, "shapes": shapes}, f)
-        run_ranks([sys.executable, "-m", "zero_lifetime.bench.gather_dist", "--worker", spec, out], ranks, device,
-                  WORKER_TIMEOUT_S, "gather")
-        with open(out) as f:
-            results = json.load(f)
+    spec = {"device": device, "repeats": repeats, "shapes": sizes.shapes(quick)}
+    results = run_worker("zero_lifetime.bench.gather_dist", spec, ranks, device, WORKER_TIMEOUT_S, "gather")
     if progress:
         for result in results:
             progress.step(result["case"])
     return results
 
 
-def _worker(spec_path: str, out_path: str) -> None:
+def _work(spec: dict) -> List[Result]:
     from .engines import ParamBlock, make_engine, prepare_process, quiet_deepspeed
-    with open(spec_path) as f:
-        spec = json.load(f)
     device = spec["device"]
     prepare_process(device)
     import torch
@@ -100,20 +85,8 @@ def _worker(spec_path: str, out_path: str) -> None:
         zero_lifetime.uninstall(installed)
         for engine in (stock, installed):
             engine.destroy()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    return results
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
-    _worker(*parser.parse_args().worker)
-    # The results are written and every rank passed the barrier: end without finalizing the
-    # interpreter, as mp.spawn's ranks do. Finalizing, a gloo worker thread that drops a
-    # tensor's last reference needs the GIL and is ended through C++ frames (torch issue
-    # 117762: std::terminate, exit -6; seen on rank 0 of this worker in a CI run).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_main(_work)

@@ -4,13 +4,20 @@ Each process gets the rank variables DeepSpeed's ``init_distributed`` reads, a f
 rendezvous port, and on the CPU one thread (the ranks share the cores). DeepSpeed's CPU
 communication leaves a ``/dev/shm`` buffer per rank behind; those of this run are removed
 once every rank is gone.
+
+:func:`run_worker` (launcher side) and :func:`worker_main` (rank side) are the protocol of
+the multi-rank benchmarks: a JSON spec in, rank 0's JSON list of results out.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
-from typing import List
+import sys
+import tempfile
+from typing import Callable, List
 
 
 def run_ranks(argv: List[str], ranks: int, device: str, timeout_s: float, what: str) -> None:
@@ -40,3 +47,35 @@ def run_ranks(argv: List[str], ranks: int, device: str, timeout_s: float, what: 
     if failed:
         tail = "\n".join(logs[failed[0][0]].splitlines()[-15:]) if len(logs) > failed[0][0] else ""
         raise RuntimeError(f"{what} over {ranks} ranks: rank(s) {failed} failed:\n{tail}")
+
+
+def run_worker(module: str, spec: dict, ranks: int, device: str, timeout_s: float, what: str) -> list:
+    """``python -m <module> --worker SPEC OUT`` on ``ranks`` ranks; returns what rank 0 wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "rank0.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        run_ranks([sys.executable, "-m", module, "--worker", spec_path, out_path], ranks, device, timeout_s, what)
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def worker_main(work: Callable[[dict], list]) -> None:
+    """A rank's ``--worker SPEC OUT`` entry: ``work(spec)`` on every rank, rank 0 writes its results."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
+    spec_path, out_path = parser.parse_args().worker
+    with open(spec_path) as f:
+        results = work(json.load(f))
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    # The results are written and every rank passed the barrier: end without finalizing the
+    # interpreter, as mp.spawn's ranks do. Finalizing, a gloo worker thread that drops a
+    # tensor's last reference needs the GIL and is ended through C++ frames (torch issue
+    # 117762: std::terminate, exit -6; seen on rank 0 of the gather worker in a CI run).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
