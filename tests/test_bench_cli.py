@@ -67,7 +67,7 @@ def assert_deepspeed_path_rows(payload, command):
 
 @pytest.mark.parametrize("command, extra, methods", [
     ("release", [], {"stock coordinator.release_sub_module", "pin: last handle dies -> release"}),
-    ("step", ["--repeats", "2"], {"stock", "installed", "regather, retained two backwards"}),
+    ("step", ["--ranks", "2", "--repeats", "2"], {"stock", "installed", "regather, retained two backwards"}),
     ("gather", ["--ranks", "2", "--repeats", "2"], {"stock all_gather_coalesced + per-param cat",
                                                     "fused gather_copy_out"}),
 ])
@@ -93,9 +93,31 @@ def test_deepspeed_subcommands_run_and_record_samples(tmp_path, command, extra, 
         two_ranks = [r for r in payload["results"] if r.get("ranks") == 2]
         assert two_ranks and all("installed: fused copy-out wait" in r["samples"] for r in two_ranks)
     if command == "step":
-        assert any(t["target"].startswith("regather peak") for t in payload["targets"])
-        retained = [r for r in payload["results"] if "peak_gathered_bytes" in r]
-        assert retained and all(v > 0 for v in retained[0]["peak_gathered_bytes"].values())
+        assert_step_rows(payload)
+
+
+def assert_step_rows(payload):
+    """The steps ran on 1 rank and on 2, and on 2 ranks the installed engines took the paths
+    that only run there: fused ZeRO-3 gathers and the ZeRO-1/2 bucket-layout check."""
+    by_ranks = {1: [], 2: []}
+    for result in payload["results"]:
+        by_ranks[result.get("ranks", 1)].append(result)
+    for ranks, results in by_ranks.items():
+        assert [r["stage"] for r in results] == [3, 2, 3], (ranks, [r["case"] for r in results])
+        retained = results[2]
+        assert all(v > 0 for v in retained["peak_gathered_bytes"].values()), retained["peak_gathered_bytes"]
+        zero3, zero2 = results[0]["fused_work"], results[1]["fused_work"]
+        assert zero3["bucket_fills"] > 0 and zero2["bucket_fills"] > 0
+        if ranks == 2:
+            assert zero3["fused_gathers"] > 0 and zero3["stock_gathers"] == 0, zero3
+            assert zero2["bucket_order_checks"] > 0, zero2
+        else:  # one rank gathers nothing and has no one to compare layouts with
+            assert zero3["fused_gathers"] == 0 and zero2["bucket_order_checks"] == 0
+    targets = [t["target"] for t in payload["targets"]]
+    for stage in (3, 2):
+        assert f"install overhead on a ZeRO-{stage} step under 3% (cpu)" in targets
+        assert f"install overhead on a ZeRO-{stage} step under 3% (cpu, 2 ranks)" in targets
+    assert sum(t.startswith("regather peak") for t in targets) == 2
 
 
 def test_bucket_in_process_json_plot_and_targets(tmp_path, capsys):
@@ -156,3 +178,4 @@ def test_gpu_copy_targets_judge_the_worst_case_and_say_when_absent():
     assert bandwidth[2] is None and "no case of 64 MB" in bandwidth[1]
     (bandwidth, speed) = copy_targets("fill", large, "cuda", "ours", "stock", "roofline")
     assert speed[2] is None and bandwidth[2] is False
+

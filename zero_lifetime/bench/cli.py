@@ -19,8 +19,9 @@ BENCHES = {  # name -> (module, title)
     "release": (release, "Release of a module's params after its backward (ZeRO-3)"),
     "gather": (gather, "ZeRO-3 gather copy-out (and with --ranks 2, the real all-gather)"),
     "bucket": (bucket, "Gradient bucket fill (ZeRO-1/2/3)"),
-    "step": (step, "Training step, stock vs install (1 rank)"),
+    "step": (step, "Training step, stock vs install (and with --ranks 2, on 2 ranks too)"),
 }
+RANKED = ("gather", "step")  # the benchmarks that take --ranks
 DEFAULT_REPEATS = {"step": (3, 20), "release": (5, 15), "gather": (5, 15), "bucket": (5, 15)}  # (quick, full)
 
 
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where tensors live (default cpu)")
     common.add_argument("--ranks", type=int, choices=[1, 2], default=1,
-                        help="processes for `gather` (2: real coalesced all-gather, gloo on CPU); default 1")
+                        help="processes for `gather` and `step` (2: also the real coalesced all-gather and the "
+                             "steps on 2 ranks, gloo on CPU); default 1")
     common.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (CI, the demo)")
     common.add_argument("--repeats", type=_positive_int, default=None,
                         help="timed rounds per case (default: 15, step 20; --quick: 5, step 3)")
@@ -68,6 +70,8 @@ def _cases(name: str, args) -> int:
     module = BENCHES[name][0]
     if name == "gather":
         return module.cases(args.quick, args.ranks, args.device)
+    if name == "step":
+        return module.cases(args.quick, args.ranks)
     return module.cases(args.quick, args.device) if name == "bucket" else module.cases(args.quick)
 
 
@@ -92,14 +96,15 @@ def collect(args, env=None):
     env = env or environment(args.device, args.ranks)
     names = list(BENCHES) if args.command == "all" else [args.command]
     print(describe(env))
-    if args.ranks > 1 and any(n != "gather" for n in names):
-        print(f"# --ranks {args.ranks} applies to `gather`; the other benchmarks run on 1 rank", file=sys.stderr)
+    if args.ranks > 1 and any(n not in RANKED for n in names):
+        print(f"# --ranks {args.ranks} applies to `gather` and `step`; the other benchmarks run on 1 rank",
+              file=sys.stderr)
     progress = Progress(sum(_cases(n, args) for n in names))
     all_results, all_targets = [], []
     for name in names:
         module, title = BENCHES[name]
         repeats = args.repeats or DEFAULT_REPEATS[name][0 if args.quick else 1]
-        if name == "gather":
+        if name in RANKED:
             results = module.run(args.device, repeats, args.quick, args.ranks, progress=progress)
         else:
             results = module.run(args.device, repeats, args.quick, progress=progress)

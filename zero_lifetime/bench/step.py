@@ -8,6 +8,9 @@
   sampled at every module forward and every gradient accumulation) with eager release
   (``stage3_max_reuse_distance=0``, no prefetch) so that stock frees module by module.
 
+With ``--ranks 2`` the same steps also run on 2 processes (see ``step_dist``), where ZeRO-3
+all-gathers and ZeRO-1/2 check the ranks' bucket layouts.
+
 (``benchmarks/bench_step_overhead.py`` is the earlier stand-alone version of this.)
 """
 
@@ -74,7 +77,7 @@ def retained_step(engine, tokens):
     engine.step()
 
 
-def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> List[Result]:
+def run(device: str, repeats: int, quick: bool, ranks: int = 1, progress: Progress = None) -> List[Result]:
     from .engines import prepare_process, quiet_deepspeed
     prepare_process(device)
     import torch
@@ -85,9 +88,13 @@ def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> Li
     if quick:  # tiny matmuls: a second thread only adds OpenMP barrier waits on busy shared cores
         torch.set_num_threads(1)
     try:
-        return _run(device, repeats, shape, progress)
+        results = _run(device, repeats, shape, progress)
     finally:
         torch.set_num_threads(threads)
+    if ranks > 1:
+        from . import step_dist
+        results += step_dist.run(device, repeats, quick, ranks, progress)
+    return results
 
 
 def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Result]:
@@ -113,9 +120,11 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
         methods = {STOCK: lambda: single_backward_step(stock, tokens),
                    INSTALLED: lambda: single_backward_step(installed, tokens)}
         samples = interleave(methods, device, repeats, warmup=WARMUP_STEPS)
+        work = _fused_work(zero_lifetime.stats(installed))
         results.append({"bench": "step", "case": f"ZeRO-{stage} single-backward step, {model_name}",
                         "stage": stage, "bytes": None, "samples": samples, "stock": STOCK, "ours": INSTALLED,
-                        "roofline": None, "per": None, "per_label": "per item"})
+                        "roofline": None, "per": None, "per_label": "per item", "fused_work": work,
+                        "notes": ["installed engine, all steps: " + ", ".join(f"{k} {v}" for k, v in work.items())]})
         for engine in (stock, installed):
             engine.destroy()
         if progress:
@@ -154,8 +163,14 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
     return results
 
 
-def cases(quick: bool) -> int:
-    return 3
+def _fused_work(stats) -> dict:
+    """What the installed engine's fused paths did over all its steps (warm-up included)."""
+    counted = ("bucket_fills", "filled_grads", "fused_gathers", "stock_gathers", "bucket_order_checks")
+    return {key: stats[key] for key in counted if key in stats}
+
+
+def cases(quick: bool, ranks: int = 1) -> int:
+    return 3 * (2 if ranks > 1 else 1)
 
 
 def targets(results: List[Result], device: str):
@@ -163,14 +178,15 @@ def targets(results: List[Result], device: str):
     limit = STEP_OVERHEAD["cuda" if device == "cuda" else "cpu"]
     out = []
     for r in results:
+        ranks = f", {r['ranks']} ranks" if r.get("ranks", 1) > 1 else ""
         if "single-backward" in r["case"]:
             overhead = statistics.median(r["samples"][INSTALLED]) / statistics.median(r["samples"][STOCK]) - 1
-            out.append((f"install overhead on a ZeRO-{r['stage']} step under {limit:.0%} ({device})",
+            out.append((f"install overhead on a ZeRO-{r['stage']} step under {limit:.0%} ({device}{ranks})",
                         f"{overhead:+.2%}", overhead < limit))
         peaks = r.get("peak_gathered_bytes")
         if peaks:
             regather = peaks["regather, retained two backwards"] / max(peaks[STOCK_SINGLE], 1) - 1
-            out.append((f"regather peak gathered bytes (retained two backwards) <= "
+            out.append((f"regather peak gathered bytes (retained two backwards{ranks}) <= "
                         f"{RETAINED_PEAK_OVER_STOCK:.0%} above a stock single backward",
                         f"{regather:+.1%}", regather <= RETAINED_PEAK_OVER_STOCK))
     return out
