@@ -179,3 +179,16 @@ def test_gpu_copy_targets_judge_the_worst_case_and_say_when_absent():
     (bandwidth, speed) = copy_targets("fill", large, "cuda", "ours", "stock", "roofline")
     assert speed[2] is None and bandwidth[2] is False
 
+
+def test_step_overhead_is_judged_round_by_round():
+    """The load moved up before round 3's installed step ran: the ratio of the medians would
+    call that +102%; the rounds' own ratios say +1% (stock and installed of a round share it)."""
+    from zero_lifetime.bench import step
+    result = {"case": "ZeRO-3 single-backward step, tiny", "stage": 3,
+              "samples": {step.STOCK: [100.0, 100.0, 100.0, 200.0, 200.0],
+                          step.INSTALLED: [101.0, 101.0, 202.0, 202.0, 202.0]}}
+    ((name, measured, met), ) = step.targets([result], "cpu")
+    assert name == "install overhead on a ZeRO-3 step under 3% (cpu)"
+    assert measured.startswith("+1.00% ") and met is True
+    ((name, measured, met), ) = step.targets([dict(result, ranks=2)], "cuda")
+    assert name == "install overhead on a ZeRO-3 step under 1% (cuda, 2 ranks)" and met is False

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .timing import paired_ratios
+
 # Environment fields that make two runs the same experiment; git commit and date may differ.
 SAME_EXPERIMENT = ("device", "device_name", "ranks", "torch_threads", "torch", "deepspeed", "fused_ops")
 # Arguments that name output files, not what was measured.
@@ -81,7 +83,7 @@ def per_round_ratios(samples: Dict[str, List[float]], method: str, reference: st
     if not ours or len(ours) != len(ref) or min(ref) <= 0:
         raise BenchFileError(f"{method!r} ({len(ours)} rounds) and {reference!r} ({len(ref)} rounds) are "
                              "not positive times paired round by round")
-    return [a / b for a, b in zip(ours, ref)]
+    return paired_ratios(samples, method, reference)
 
 
 def spread(ratios: Sequence[float]) -> RatioSpread:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 def synchronizer(device: str) -> Callable[[], None]:
@@ -38,3 +38,9 @@ def interleave(methods: Dict[str, Callable[[], object]], device: str, repeats: i
             if round_index >= warmup:
                 samples[name].append(statistics.median(calls))
     return samples
+
+
+def paired_ratios(samples: Dict[str, Sequence[float]], method: str, reference: str) -> List[float]:
+    """``method`` time / ``reference`` time of each round: a round runs its methods back to
+    back, so drift from one round to the next (other jobs on shared cores) cancels."""
+    return [a / b for a, b in zip(samples[method], samples[reference])]
