@@ -24,11 +24,7 @@ WORKER_TIMEOUT_S = 300
 
 def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress = None) -> List[Result]:
     spec = {"device": device, "repeats": repeats, "shapes": sizes.shapes(quick)}
-    results = run_worker("zero_lifetime.bench.gather_dist", spec, ranks, device, WORKER_TIMEOUT_S, "gather")
-    if progress:
-        for result in results:
-            progress.step(result["case"])
-    return results
+    return run_worker("zero_lifetime.bench.gather_dist", spec, ranks, device, WORKER_TIMEOUT_S, "gather", progress)
 
 
 def _work(spec: dict) -> List[Result]:

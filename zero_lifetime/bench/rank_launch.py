@@ -49,15 +49,21 @@ def run_ranks(argv: List[str], ranks: int, device: str, timeout_s: float, what: 
         raise RuntimeError(f"{what} over {ranks} ranks: rank(s) {failed} failed:\n{tail}")
 
 
-def run_worker(module: str, spec: dict, ranks: int, device: str, timeout_s: float, what: str) -> list:
-    """``python -m <module> --worker SPEC OUT`` on ``ranks`` ranks; returns what rank 0 wrote."""
+def run_worker(module: str, spec: dict, ranks: int, device: str, timeout_s: float, what: str,
+               progress=None) -> list:
+    """``python -m <module> --worker SPEC OUT`` on ``ranks`` ranks; returns the results rank 0
+    wrote, each a step of ``progress`` (a ``report.Progress``) when given."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "rank0.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         run_ranks([sys.executable, "-m", module, "--worker", spec_path, out_path], ranks, device, timeout_s, what)
         with open(out_path) as f:
-            return json.load(f)
+            results = json.load(f)
+    if progress:
+        for result in results:
+            progress.step(result["case"])
+    return results
 
 
 def worker_main(work: Callable[[dict], list]) -> None:

@@ -19,11 +19,7 @@ WORKER_TIMEOUT_S = 600
 
 def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress = None) -> List[Result]:
     spec = {"device": device, "repeats": repeats, "quick": quick}
-    results = run_worker("zero_lifetime.bench.step_dist", spec, ranks, device, WORKER_TIMEOUT_S, "step")
-    if progress:
-        for result in results:
-            progress.step(result["case"])
-    return results
+    return run_worker("zero_lifetime.bench.step_dist", spec, ranks, device, WORKER_TIMEOUT_S, "step", progress)
 
 
 def _work(spec: dict) -> List[Result]:
