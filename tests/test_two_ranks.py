@@ -33,6 +33,7 @@ MULTITASK = [sc for sc in worker.SCENARIOS if sc["kind"] == "multitask"]
 FP16 = [sc for sc in worker.SCENARIOS if sc["kind"] == "fp16"]
 BUCKET_ORDER = [sc for sc in worker.SCENARIOS if sc["kind"] == "bucket_order"]
 STALE = [sc for sc in worker.SCENARIOS if sc["kind"] == "stale"]
+AUTOGRAD_GRAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "autograd_grad"]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
 ORDER_GAS = [sc for sc in BUCKET_ORDER if "gas" in sc]
 ORDER_UNCHECKED = [sc for sc in BUCKET_ORDER if not sc["check"]]
@@ -132,6 +133,23 @@ def test_stale_graph_refused_on_every_rank_then_training_goes_on(results, sc):
         assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
         if sc["stage"] == 3:
             assert record["stats"]["live_handles"] == 0, record["stats"]
+
+
+@pytest.mark.parametrize("sc", AUTOGRAD_GRAD, ids=_ids(AUTOGRAD_GRAD))
+def test_autograd_grad_through_a_trained_graph_on_every_rank(results, sc):
+    """torch.autograd.grad and a training backward through one graph: for the input after a
+    retained backward, or for a shared weight before the training backward (stock ZeRO-3 fails
+    both: the params are released). Each rank's autograd.grad result is the oracle's, the
+    steps match the all-reduced oracle, and under "regather" what the ranks gathered again
+    for an input gradient is released as that backward ends."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert max(record["grad_diff"]) <= ATOL, f"rank {rank}: {record['grad_diff']}"
+        if sc["policy"] == "regather" and sc["wrt"] == "input":
+            assert record["gathered_after"] == [[]] * worker.STEPS, record["gathered_after"]
+        bad = {n: e for n, e in record["tol_excess"].items() if not e <= ATOL}
+        assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
+        if sc["stage"] == 3:
+            assert record["gathered_at_end"] == [] and record["stats"]["live_handles"] == 0, record
 
 
 @pytest.mark.parametrize("sc", MULTITASK, ids=_ids(MULTITASK))

@@ -172,6 +172,13 @@ def _build_scenarios():
     for stage, policy in ((1, "regather"), (2, "regather"), (3, "regather"), (3, "pin")):
         out.append(dict(id=f"stale-stage{stage}-{policy}", kind="stale", stage=stage, policy=policy,
                         zero=eager_release if stage == 3 else {}))
+    # torch.autograd.grad through a graph a training backward also runs through: for the input
+    # after that backward (retained), or for a shared weight before it (GradNorm). Under
+    # "regather" every rank gathers the released params again, in the same order.
+    for wrt in ("input", "param"):
+        for stage, policy in ((2, "regather"), (3, "regather"), (3, "pin")):
+            out.append(dict(id=f"autograd_grad-{wrt}-stage{stage}-{policy}", kind="autograd_grad", wrt=wrt,
+                            stage=stage, policy=policy))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -489,6 +496,63 @@ def _run_stale(sc, rank):
     return record
 
 
+def _run_autograd_grad(sc, rank):
+    """Per step, in the scenario's order, torch.autograd.grad and a training backward through
+    one graph, then step(); against the oracle averaged over the ranks by all_reduce.
+    wrt "input": backward l1 (retained), then autograd.grad(l2, x). wrt "param": autograd.grad
+    (l1, l1.weight) (retained), then backward l1 + l2. Records per step the autograd.grad
+    result's difference to the oracle's and what stayed gathered right after it."""
+    import copy
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import zero_lifetime
+    from harness import MODELS, ds_config, full_weights, losses, released_state
+
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    oracle = copy.deepcopy(model)
+    lr = LR["mlp_norm"]
+    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr),
+                                      model_parameters=model.parameters())
+    zero_lifetime.install(engine, policy=sc["policy"])
+
+    def grad_and_backward(run, backward, weight, x):
+        first, second = losses(run(x))
+        if sc["wrt"] == "input":
+            backward(first, retain_graph=True)
+            return torch.autograd.grad(second, [x])[0]
+        grad = torch.autograd.grad(first, [weight], retain_graph=True)[0]
+        backward(first + second)
+        return grad
+
+    grad_diff, gathered_after = [], []
+    for step in range(STEPS):
+        x = _shard("mlp_norm", step, rank).requires_grad_(sc["wrt"] == "input")
+        got = grad_and_backward(engine, engine.backward, engine.module.l1.weight, x)
+        gathered_after.append(released_state(engine)[0] if sc["stage"] == 3 else [])
+        engine.step()
+        x_ref = _shard("mlp_norm", step, rank).requires_grad_(sc["wrt"] == "input")
+        want = grad_and_backward(oracle, torch.Tensor.backward, oracle.l1.weight, x_ref)
+        grad_diff.append((got - want).abs().max().item() if got.shape == want.shape else float("inf"))
+        for p in oracle.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= WORLD
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach() for n, p in oracle.named_parameters()}
+    abs_diff, excess = _compare(full_weights(engine), want)
+    gc.collect()
+    record = {"grad_diff": grad_diff, "gathered_after": gathered_after, "abs_diff": abs_diff,
+              "tol_excess": excess, "stats": zero_lifetime.stats(engine)}
+    if sc["stage"] == 3:
+        record["gathered_at_end"] = released_state(engine)[0]
+    del engine
+    return record
+
+
 def _run_multitask(sc, rank):
     import multitask as mt
     import zero_lifetime
@@ -598,6 +662,8 @@ def _run_scenario(sc, rank):
         return _run_stock(sc, rank)
     if sc["kind"] == "stale":
         return _run_stale(sc, rank)
+    if sc["kind"] == "autograd_grad":
+        return _run_autograd_grad(sc, rank)
     return _run_training(sc, rank)
 
 
