@@ -58,9 +58,13 @@ __global__ void __launch_bounds__(kThreads)
   copy_chunks(segments.seg, num_segments, num_chunks, dst, scale, this_thread());
 }
 
-// Blocks that fit on a device at once (8 of kThreads per SM): a grid-stride launch of that
-// size keeps every SM busy without a tail of tiny waves. Cached: the attribute query costs
-// a driver call per launch otherwise.
+// Blocks of `Kernel` that fit on the device at once, found by the occupancy API: a
+// grid-stride launch of exactly that many keeps every SM busy with no tail wave. Their
+// register use decides it, and differs per kernel: on sm_90 the fp32-destination kernels
+// need 40 registers a thread (6 blocks of kThreads per SM), the 2-byte ones 32 (8 blocks).
+// A grid of 8 per SM for every kernel would leave a second, quarter-full wave for fp32.
+// Cached per kernel and device: the queries are driver calls.
+template <auto Kernel>
 int64_t resident_blocks(c10::DeviceIndex device) {
   static std::array<std::atomic<int64_t>, 64> cached{};
   const auto slot = static_cast<size_t>(device);
@@ -69,8 +73,11 @@ int64_t resident_blocks(c10::DeviceIndex device) {
     if (known > 0) return known;
   }
   int sms = 0;
+  int per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t blocks = static_cast<int64_t>(sms) * (2048 / kThreads);
+  // For the current device, which the caller's guard made `device`.
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
+  const int64_t blocks = static_cast<int64_t>(sms) * std::max(per_sm, 1);
   if (slot < cached.size()) cached[slot].store(blocks, std::memory_order_relaxed);
   return blocks;
 }
@@ -78,11 +85,13 @@ int64_t resident_blocks(c10::DeviceIndex device) {
 template <typename Dst>
 void launch(const SegmentMeta* table, const InlineSegments* inline_segments,
             int64_t num_segments, int64_t num_chunks, void* dst, float scale,
-            int64_t blocks, cudaStream_t stream) {
+            c10::DeviceIndex device, cudaStream_t stream) {
   if (inline_segments != nullptr) {
+    const int64_t blocks = std::min(num_chunks, resident_blocks<copy_plan_inline_kernel<Dst>>(device));
     copy_plan_inline_kernel<<<blocks, kThreads, 0, stream>>>(
         *inline_segments, num_segments, num_chunks, static_cast<Dst*>(dst), scale);
   } else {
+    const int64_t blocks = std::min(num_chunks, resident_blocks<copy_plan_table_kernel<Dst>>(device));
     copy_plan_table_kernel<<<blocks, kThreads, 0, stream>>>(
         table, num_segments, num_chunks, static_cast<Dst*>(dst), scale);
   }
@@ -113,17 +122,17 @@ void run_plan_cuda(const CopyPlan& plan, const at::Tensor& dst_tensor) {
   const auto* table = use_inline ? nullptr
                                  : reinterpret_cast<const SegmentMeta*>(device_meta.const_data_ptr());
   const InlineSegments* inline_arg = use_inline ? &inline_segments : nullptr;
-  const int64_t blocks = std::min<int64_t>(num_chunks, resident_blocks(dst_tensor.device().index()));
+  const c10::DeviceIndex device = dst_tensor.device().index();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (to_dtype(plan.dst_dtype)) {
     case kF32:
-      return launch<float>(table, inline_arg, num_segments, num_chunks, plan.dst, plan.scale, blocks, stream);
+      return launch<float>(table, inline_arg, num_segments, num_chunks, plan.dst, plan.scale, device, stream);
     case kBF16:
       return launch<c10::BFloat16>(table, inline_arg, num_segments, num_chunks, plan.dst, plan.scale,
-                                   blocks, stream);
+                                   device, stream);
     default:
       return launch<c10::Half>(table, inline_arg, num_segments, num_chunks, plan.dst, plan.scale,
-                               blocks, stream);
+                               device, stream);
   }
 }
 
