@@ -10,6 +10,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__CUDACC__)
@@ -52,6 +53,57 @@ struct alignas(16) Pack8 {
   T v[kVec];
 };
 
+#if defined(__CUDACC__)
+using Word16 = uint4;  // a built-in vector type: its copies are single 16-byte accesses
+#else
+struct alignas(16) Word16 {
+  uint32_t x, y, z, w;
+};
+#endif
+
+// The bit pattern of one element, widened to 32 bits.
+template <typename T>
+ZL_DEVICE uint32_t bits_of(T x) {
+  if constexpr (sizeof(T) == 4) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return b;
+  } else {
+    uint16_t b;
+    memcpy(&b, &x, 2);
+    return b;
+  }
+}
+
+// Stores `pack` at `dst` (16-byte aligned) as 16-byte words built from 32-bit lanes, with
+// an explicit vector store. Assigning the Pack8 itself compiled to per-element stores in
+// these kernels (st.global.f32 / st.global.u16 in the PTX of nvcc 13.0; whether nvcc merges
+// them depends on how much code is inlined around them: the same loop alone was merged).
+// With the threads of a warp 16-32 B apart, each per-element instruction writes 2-4 bytes
+// into each of 32 sectors: up to 8 times the store transactions of 16-byte stores.
+template <typename T>
+ZL_DEVICE void store_pack(T* dst, const Pack8<T>& pack) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "fp32, bf16 or fp16");
+  constexpr int kPerLane = 4 / static_cast<int>(sizeof(T));
+  constexpr int kLanes = kVec / kPerLane;
+  uint32_t lanes[kLanes];
+ZL_UNROLL
+  for (int l = 0; l < kLanes; ++l) {
+    lanes[l] = kPerLane == 1 ? bits_of(pack.v[l])
+                             : bits_of(pack.v[2 * l]) | (bits_of(pack.v[2 * l + 1]) << 16);
+  }
+  Word16* out = reinterpret_cast<Word16*>(dst);
+ZL_UNROLL
+  for (int w = 0; w < kLanes / 4; ++w) {
+    const Word16 word{lanes[4 * w], lanes[4 * w + 1], lanes[4 * w + 2], lanes[4 * w + 3]};
+#if defined(__CUDACC__)
+    __stwb(out + w, word);  // st.global.wb.v4: a plain assignment may still be split
+#else
+    out[w] = word;
+#endif
+  }
+}
+
 template <typename Src, typename Dst>
 ZL_DEVICE Dst convert(Src x, float scale, bool raw) {
   if constexpr (std::is_same_v<Src, Dst>) {
@@ -83,7 +135,7 @@ ZL_UNROLL
       Pack8<Dst> out;
 ZL_UNROLL
       for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in[u].v[k], scale, raw);
-      *reinterpret_cast<Pack8<Dst>*>(dst + begin + (u * kThreads + thread) * kVec) = out;
+      store_pack(dst + begin + (u * kThreads + thread) * kVec, out);
     }
     return;
   }
@@ -94,7 +146,7 @@ ZL_UNROLL
       Pack8<Dst> out;
 ZL_UNROLL
       for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in.v[k], scale, raw);
-      *reinterpret_cast<Pack8<Dst>*>(dst + i) = out;
+      store_pack(dst + i, out);
     }
     i = vec_end;
   }
