@@ -80,7 +80,7 @@ ZL_DEVICE uint32_t bits_of(T x) {
 // these kernels (st.global.f32 / st.global.u16 in the PTX of nvcc 13.0; whether nvcc merges
 // them depends on how much code is inlined around them: the same loop alone was merged).
 // With the threads of a warp 16-32 B apart, each per-element instruction writes 2-4 bytes
-// into each of 32 sectors: up to 8 times the store transactions of 16-byte stores.
+// into each of 16-32 sectors: 4-8 times the store instructions of 16-byte stores.
 template <typename T>
 ZL_DEVICE void store_pack(T* dst, const Pack8<T>& pack) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 2, "fp32, bf16 or fp16");
