@@ -255,51 +255,28 @@ def test_stock_stage3_fails_without_install():
         two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=True)
 
 
-@pytest.mark.parametrize("stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")])
-def test_param_gradient_then_the_training_backward(stage, policy):
-    """GradNorm-style: torch.autograd.grad of one task's loss for a shared weight (graph
-    retained), then the training backward of the summed losses through the same graph. Stock
-    ZeRO-3 fails in the training backward; installed, the weight's gradient and the step match
-    torch."""
-    engine, reference, ref_opt = make_pair("mlp_norm", stage)
-    zero_lifetime.install(engine, policy=policy)
-    for step in range(2):
-        x = make_input("mlp_norm", step)
-        first, second = losses(engine(x))
-        (got, ) = torch.autograd.grad(first, [engine.module.l1.weight], retain_graph=True)
-        engine.backward(first + second)
-        engine.step()
-
-        first_ref, second_ref = losses(reference(x))
-        (want, ) = torch.autograd.grad(first_ref, [reference.l1.weight], retain_graph=True)
-        (first_ref + second_ref).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    assert_weights_match(engine, reference)
-    if stage == 3:
-        gc.collect()
-        assert released_state(engine) == ([], [])
+def _grad_and_backward(model, backward, weight, x, wrt):
+    """One step's two passes through one graph. wrt "input": a training backward (graph
+    retained), then torch.autograd.grad(second loss, x); wrt "param": torch.autograd.grad(first
+    loss, weight) (retained, GradNorm-style), then the training backward of both losses.
+    Returns what autograd.grad gave."""
+    first, second = losses(model(x))
+    if wrt == "input":
+        backward(first, retain_graph=True)
+        return torch.autograd.grad(second, [x])[0]
+    grad = torch.autograd.grad(first, [weight], retain_graph=True)[0]
+    backward(first + second)
+    return grad
 
 
-def test_stock_stage3_param_gradient_then_backward_fails_without_install():
-    """The control for test_param_gradient_then_the_training_backward."""
+@pytest.mark.parametrize("wrt", ["input", "param"])
+def test_stock_stage3_autograd_grad_and_backward_fail_without_install(wrt):
+    """The control for test_autograd_grad_and_a_training_backward_through_one_graph: stock
+    ZeRO-3 released the params after the first pass, and the second reads them empty."""
     engine, *_ = make_pair("mlp_norm", 3)
-    first, second = losses(engine(make_input("mlp_norm", 0)))
-    torch.autograd.grad(first, [engine.module.l1.weight], retain_graph=True)
-    with pytest.raises(RuntimeError, match="size of tensor a \\(0\\)"):
-        engine.backward(first + second)
-
-
-def test_stock_stage3_input_gradient_fails_without_install():
-    """The control for test_input_gradient_through_a_retained_graph: stock ZeRO-3 released the
-    params after the first backward, and the input gradient reads them empty."""
-    engine, *_ = make_pair("mlp_norm", 3)
-    x = make_input("mlp_norm", 0).requires_grad_()
-    first, second = losses(engine(x))
-    engine.backward(first, retain_graph=True)
+    x = make_input("mlp_norm", 0).requires_grad_(wrt == "input")
     with pytest.raises(RuntimeError, match="shape \\[0\\]|size of tensor a \\(0\\)"):
-        torch.autograd.grad(second, [x])
+        _grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -442,28 +419,23 @@ def test_gradient_penalty(stage):
         assert released_state(engine) == ([], [])
 
 
+@pytest.mark.parametrize("wrt", ["input", "param"])
 @pytest.mark.parametrize("stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")])
-def test_input_gradient_through_a_retained_graph(stage, policy):
-    """A training backward with retain_graph, then torch.autograd.grad of a second loss for the
-    input (saliency maps, adversarial examples): stock ZeRO-3 fails on the released params.
-    What that second backward gathered accumulates no gradient, so under "regather" nothing
-    but the end of that backward releases it, and nothing may stay gathered after it."""
+def test_autograd_grad_and_a_training_backward_through_one_graph(wrt, stage, policy):
+    """torch.autograd.grad for the input after a retained training backward (saliency maps,
+    adversarial examples), or for a shared weight before the training backward (GradNorm).
+    What the input gradient gathers again accumulates no gradient, so under "regather" only
+    the end of that backward releases it: nothing may stay gathered after it."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     zero_lifetime.install(engine, policy=policy)
     for step in range(2):
-        x = make_input("mlp_norm", step).requires_grad_()
-        first, second = losses(engine(x))
-        engine.backward(first, retain_graph=True)
-        (got, ) = torch.autograd.grad(second, [x])
-        if policy == "regather":
+        x = make_input("mlp_norm", step).requires_grad_(wrt == "input")
+        got = _grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
+        if policy == "regather" and wrt == "input":
             assert released_state(engine) == ([], [])
-        del first, second
         engine.step()
-
-        x_ref = make_input("mlp_norm", step).requires_grad_()
-        first_ref, second_ref = losses(reference(x_ref))
-        first_ref.backward(retain_graph=True)
-        (want, ) = torch.autograd.grad(second_ref, [x_ref])
+        x_ref = make_input("mlp_norm", step).requires_grad_(wrt == "input")
+        want = _grad_and_backward(reference, torch.Tensor.backward, reference.l1.weight, x_ref, wrt)
         ref_opt.step()
         ref_opt.zero_grad()
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
