@@ -134,13 +134,14 @@ if command -v "$CUDA_HOME/bin/cuobjdump" >/dev/null; then
 fi
 # Every copy kernel must store with 16-byte vector stores: nvcc once compiled them to one
 # store per element (4-8x the store instructions, about a third of the bandwidth on an H100),
-# and whether it merges them depends on the code inlined around them. The PTX says which.
-first_arch=${ZL_CUDA_ARCHS:-80 90}; first_arch=${first_arch%% *}
+# and whether it merges them depends on the code inlined around them. The PTX of each arch
+# says which.
 PTX_NVCCFLAGS=$(sed -E 's/-gencode=arch=compute_[0-9a-z]+,code=sm_[0-9a-z]+//g' <<<"$NVCCFLAGS")
-for src in $(read_sources sources_cuda.txt); do
-  eval "$NVCC $PTX_NVCCFLAGS -arch=sm_$first_arch -ptx $ROOT/csrc/$src -o $OUT/kernels.ptx" ||
-    fail "nvcc -ptx of $src"
-  python3 - "$OUT/kernels.ptx" "$src" <<'EOF_PTX' || fail "a copy kernel of $src has no 16-byte vector store (see above)"
+for arch in ${ZL_CUDA_ARCHS:-80 90}; do
+  for src in $(read_sources sources_cuda.txt); do
+    eval "$NVCC $PTX_NVCCFLAGS -arch=sm_$arch -ptx $ROOT/csrc/$src -o $OUT/kernels.ptx" ||
+      fail "nvcc -ptx of $src for sm_$arch"
+    python3 - "$OUT/kernels.ptx" "$src (sm_$arch)" <<'EOF_PTX' || fail "a copy kernel of $src has no 16-byte vector store on sm_$arch (see above)"
 import re, sys
 ptx, src = open(sys.argv[1]).read(), sys.argv[2]
 entries = [(m.group(1), m.end()) for m in re.finditer(r"\.entry\s+(\S+)\(", ptx)]
@@ -154,6 +155,7 @@ for name in bad:
     print(f"check_cuda_build:   no vector store in {name}", file=sys.stderr)
 sys.exit(1 if bad or not entries else 0)
 EOF_PTX
+  done
 done
 needed=$(readelf -d "$OUT/_C.so" | grep NEEDED)
 for lib in libc10_cuda libcudart; do
