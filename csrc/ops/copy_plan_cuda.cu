@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // Blocks of `Kernel` that fit on the device at once, found by the occupancy API: a
 // grid-stride launch of exactly that many keeps every SM busy with no tail wave. Their
-// register use decides it, and differs per kernel: on sm_90 the fp32-destination kernels
-// need 40 registers a thread (6 blocks of kThreads per SM), the 2-byte ones 32 (8 blocks).
-// A grid of 8 per SM for every kernel would leave a second, quarter-full wave for fp32.
+// register use decides it, and differs per kernel: on sm_90 they need 32-40 registers a
+// thread (ptxas -v), so 8 blocks of kThreads fit on an SM at 32 and 6 above. A fixed grid
+// of 8 per SM would leave a second, quarter-full wave for the others.
 // Cached per kernel and device: the queries are driver calls.
 template <auto Kernel>
 int64_t resident_blocks(c10::DeviceIndex device) {
