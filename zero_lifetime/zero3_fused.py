@@ -96,16 +96,11 @@ class Zero3FusedCopies:
         if pending is None or not self.buckets.has_params(comm_dtype):
             return
         accelerator = self._accelerator
-        with accelerator.stream(self.buckets.reduce_stream):
-            # The fill reads the old storage on the reduce stream: not reusable before it ran.
-            # The stream is looked up once per fill: each lookup makes a Python stream object.
-            keep_until_read = None
-            if not accelerator.is_synchronized_device():
-                reduce_stream = accelerator.current_stream()
-
-                def keep_until_read(grad):
-                    grad.record_stream(reduce_stream)
-
+        reduce_stream = self.buckets.reduce_stream
+        # The fill reads the old storage on the reduce stream: not reusable before it ran.
+        keep_until_read = (None if accelerator.is_synchronized_device() else
+                           lambda grad: grad.record_stream(reduce_stream))
+        with accelerator.stream(reduce_stream):
             grads = [param.grad for param in pending.items]
             fill_and_repoint(self.buckets.buffer(comm_dtype), grads, pending.offsets, 1.0, keep_until_read)
         self.counts["bucket_fills"] += 1
