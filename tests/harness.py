@@ -200,6 +200,21 @@ def two_backwards(engine, out, path: str, zero_grad: bool):
     backward_both(engine, *losses(out), path, zero_grad)
 
 
+def grad_and_backward(model, backward, weight, x, wrt: str):
+    """One step's two passes through one graph, for an engine (``backward=engine.backward``)
+    or a torch model (``torch.Tensor.backward``). wrt "input": a training backward (graph
+    retained), then torch.autograd.grad(second loss, x); wrt "param": torch.autograd.grad(first
+    loss, weight) (retained, GradNorm-style), then the training backward of both losses.
+    Returns what autograd.grad gave."""
+    first, second = losses(model(x))
+    if wrt == "input":
+        backward(first, retain_graph=True)
+        return torch.autograd.grad(second, [x])[0]
+    grad = torch.autograd.grad(first, [weight], retain_graph=True)[0]
+    backward(first + second)
+    return grad
+
+
 def backward_both(engine, l1, l2, path: str, zero_grad: bool):
     """Backward l1 (graph retained), then l2, through the engine, the manual or the scale path."""
     if path == "engine":

@@ -10,8 +10,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config,
-                     full_weights, gathered_bytes, losses, make_input, make_pair, params_saved_by_forward,
-                     reference_two_backwards, released_state, two_backwards)
+                     full_weights, gathered_bytes, grad_and_backward, losses, make_input, make_pair,
+                     params_saved_by_forward, reference_two_backwards, released_state, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 
 # Single-backward steps use loss.backward() where DeepSpeed supports it (0.18+), else engine.backward().
@@ -255,20 +255,6 @@ def test_stock_stage3_fails_without_install():
         two_backwards(engine, engine(make_input("mlp_norm", 0)), "engine", zero_grad=True)
 
 
-def _grad_and_backward(model, backward, weight, x, wrt):
-    """One step's two passes through one graph. wrt "input": a training backward (graph
-    retained), then torch.autograd.grad(second loss, x); wrt "param": torch.autograd.grad(first
-    loss, weight) (retained, GradNorm-style), then the training backward of both losses.
-    Returns what autograd.grad gave."""
-    first, second = losses(model(x))
-    if wrt == "input":
-        backward(first, retain_graph=True)
-        return torch.autograd.grad(second, [x])[0]
-    grad = torch.autograd.grad(first, [weight], retain_graph=True)[0]
-    backward(first + second)
-    return grad
-
-
 @pytest.mark.parametrize("wrt", ["input", "param"])
 def test_stock_stage3_autograd_grad_and_backward_fail_without_install(wrt):
     """The control for test_autograd_grad_and_a_training_backward_through_one_graph: stock
@@ -276,7 +262,7 @@ def test_stock_stage3_autograd_grad_and_backward_fail_without_install(wrt):
     engine, *_ = make_pair("mlp_norm", 3)
     x = make_input("mlp_norm", 0).requires_grad_(wrt == "input")
     with pytest.raises(RuntimeError, match="shape \\[0\\]|size of tensor a \\(0\\)"):
-        _grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
+        grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -430,12 +416,12 @@ def test_autograd_grad_and_a_training_backward_through_one_graph(wrt, stage, pol
     zero_lifetime.install(engine, policy=policy)
     for step in range(2):
         x = make_input("mlp_norm", step).requires_grad_(wrt == "input")
-        got = _grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
+        got = grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
         if policy == "regather" and wrt == "input":
             assert released_state(engine) == ([], [])
         engine.step()
         x_ref = make_input("mlp_norm", step).requires_grad_(wrt == "input")
-        want = _grad_and_backward(reference, torch.Tensor.backward, reference.l1.weight, x_ref, wrt)
+        want = grad_and_backward(reference, torch.Tensor.backward, reference.l1.weight, x_ref, wrt)
         ref_opt.step()
         ref_opt.zero_grad()
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -508,7 +508,7 @@ def _run_autograd_grad(sc, rank):
     import torch
     import torch.distributed as dist
     import zero_lifetime
-    from harness import MODELS, ds_config, full_weights, losses, released_state
+    from harness import MODELS, ds_config, full_weights, grad_and_backward, released_state
 
     torch.manual_seed(0)
     model = MODELS["mlp_norm"]()
@@ -519,23 +519,14 @@ def _run_autograd_grad(sc, rank):
                                       model_parameters=model.parameters())
     zero_lifetime.install(engine, policy=sc["policy"])
 
-    def grad_and_backward(run, backward, weight, x):
-        first, second = losses(run(x))
-        if sc["wrt"] == "input":
-            backward(first, retain_graph=True)
-            return torch.autograd.grad(second, [x])[0]
-        grad = torch.autograd.grad(first, [weight], retain_graph=True)[0]
-        backward(first + second)
-        return grad
-
     grad_diff, gathered_after = [], []
     for step in range(STEPS):
         x = _shard("mlp_norm", step, rank).requires_grad_(sc["wrt"] == "input")
-        got = grad_and_backward(engine, engine.backward, engine.module.l1.weight, x)
+        got = grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, sc["wrt"])
         gathered_after.append(released_state(engine)[0] if sc["stage"] == 3 else [])
         engine.step()
         x_ref = _shard("mlp_norm", step, rank).requires_grad_(sc["wrt"] == "input")
-        want = grad_and_backward(oracle, torch.Tensor.backward, oracle.l1.weight, x_ref)
+        want = grad_and_backward(oracle, torch.Tensor.backward, oracle.l1.weight, x_ref, sc["wrt"])
         grad_diff.append((got - want).abs().max().item() if got.shape == want.shape else float("inf"))
         for p in oracle.parameters():
             dist.all_reduce(p.grad)
