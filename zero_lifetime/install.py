@@ -36,8 +36,8 @@ def _check_engine(engine):
 
 
 class StepWithoutBackwardError(TypeError):
-    """step() with no backward since the previous step(), where DeepSpeed fails on the
-    missing gradients. A TypeError, as DeepSpeed's own failure there is."""
+    """step() with no backward since the previous step() (or since install), where DeepSpeed
+    fails on the missing gradients. A TypeError, as DeepSpeed's own failure there mostly is."""
 
 
 class Installation:
@@ -68,7 +68,9 @@ class Installation:
         self._entered_via_outputs = False
         self._entry_forward = None  # the forward whose output opened the backward being opened
         self._failed_backwards = 0
-        self._backward_since_step = True  # install may come after a backward: assume one
+        # Read only when DeepSpeed's step() fails: a backward before install leaves DeepSpeed
+        # gradients to step with, so a failure on the missing ones still means none since.
+        self._backward_since_step = False
         self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
         self.tracker = None
@@ -210,11 +212,13 @@ class Installation:
                 self.window.before_step()
             try:
                 result = original(*args, **kwargs)
-            except TypeError as error:
+            except (TypeError, KeyError) as error:
+                # DeepSpeed's own failures there: TypeError after a step (its gradient lists
+                # are None), KeyError before the first backward (they were never made).
                 if self._backward_since_step:
                     raise
                 raise StepWithoutBackwardError(
-                    "zero_lifetime: step() with no backward since the previous step(): DeepSpeed has no "
+                    "zero_lifetime: step() with no backward since the previous step() (or since install): DeepSpeed has no "
                     "gradients to step with (torch would leave the weights as they are). Skip step() for "
                     "a batch whose backward you skip.") from error
             self._backward_since_step = False
@@ -334,8 +338,6 @@ class Installation:
             self.backward.check_backward_entry()  # before anything reaches DeepSpeed
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()
-                if self.lifetime is not None:
-                    self.lifetime.rearm_for_another_backward()
             self.window.begin_backward()
             self.grad_guard.begin_backward()
             if self.accumulation is not None:
@@ -348,11 +350,15 @@ class Installation:
                 self.backward.suppress_output_hooks(managers)
                 self.backward.run_prologue()
         if self.lifetime is not None:
+            self.lifetime.rearm_if_another_backward()
             self.lifetime.begin()
 
     def _on_backward_end(self) -> None:
         if self.lifetime is not None:
             self.lifetime.end_of_backward()
+            # DeepSpeed 0.19.8's epilogue does this too, but it is suppressed for
+            # torch.autograd.grad (it must not reduce), and older releases do not.
+            self.lifetime.release_modules_left_in_backward()
             self.lifetime.end()
         if self._accumulating:
             self._accumulating = False
@@ -370,11 +376,14 @@ class Installation:
             return
         self._failed_backwards += 1
         self.backward.reset_after_failed_backward()
-        self.backward.discard_interrupted_reduction()
-        if self.bucket_fill is not None:
-            self.bucket_fill.discard()
-        if self.accumulation is not None:
-            self.accumulation.backward_died()
+        if accumulating:
+            # A dead torch.autograd.grad reduced nothing and zeroed nothing: the gradients of
+            # the backwards before it must stay as they are.
+            self.backward.discard_interrupted_reduction()
+            if self.bucket_fill is not None:
+                self.bucket_fill.discard()
+            if self.accumulation is not None:
+                self.accumulation.backward_died()
         if self.lifetime is not None:
             self.lifetime.release_everything_held()
             self.lifetime.release_backward_leftovers()

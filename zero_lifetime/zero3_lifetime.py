@@ -27,6 +27,7 @@ class Zero3Lifetime:
         self._hook_handles = []
         self._modules = list(engine.module.modules())
         self._counters_after_forward = []
+        self._counters_consumed = False  # a backward over the latest forward has run
 
         tracker.set_available_status(Zero3Params.AVAILABLE)
         tracker.set_callbacks(self._gather_for_unpack, Zero3Params.pin, self._on_unpinned)
@@ -65,10 +66,16 @@ class Zero3Lifetime:
 
     def after_forward(self) -> None:
         self._counters_after_forward = self.zparams.module_counters(self._modules)
+        self._counters_consumed = False
 
-    def rearm_for_another_backward(self) -> None:
-        """Another backward over the same forward: DeepSpeed fetches per module as in the first."""
-        self.zparams.restore_module_counters(self._counters_after_forward)
+    def rearm_if_another_backward(self) -> None:
+        """Another backward over the same forward (after a backward or a
+        torch.autograd.grad, which consume them alike): DeepSpeed's per-module counters are
+        set back to what the forward left, so it fetches and releases module by module as in
+        the first. Without it a module whose post-backward hook the first pass never reached
+        (its input was not asked for) releases in the second with no fetch on record."""
+        if self._counters_consumed:
+            self.zparams.restore_module_counters(self._counters_after_forward)
 
     def begin(self) -> None:
         self._busy += 1
@@ -100,11 +107,18 @@ class Zero3Lifetime:
 
     def end_of_backward(self) -> None:
         """Release what this backward gathered on demand; run releases that waited."""
+        self._counters_consumed = True
         for ds_id in sorted(self._regathered):
             param = self.params[ds_id]
             if not self.tracker.is_pinned(param):
                 self.zparams.release_regathered(param)
         self._regathered.clear()
+
+    def release_modules_left_in_backward(self) -> None:
+        """What modules whose post-backward hook never ran still hold, released at the end of
+        a backward that no forward encloses (a forward's own modules hold their params)."""
+        if self._busy == 1:
+            self.zparams.release_modules_left_in_backward(self.params.values())
 
     # ---- release of pins -------------------------------------------------------------
 

@@ -63,6 +63,27 @@ class Zero3Params:
         param.partition()
         return True
 
+    def release_modules_left_in_backward(self, params) -> None:
+        """At the end of a backward: release what modules still hold whose post-backward
+        hook never ran (a module whose input needs no grad, or one a torch.autograd.grad did
+        not ask for). 0.19.8 keeps a registry of modules in backward and drains it in its
+        epilogue, as here; 0.18.9 and 0.17.6 keep none and hold such params until step():
+        there each param's module marks go (never a pin) and it is released."""
+        drain = getattr(self.coordinator(), "release_backward_leftovers", None)
+        if drain is not None:
+            drain()
+            return
+        for param in params:
+            held = param.ds_active_sub_modules
+            if param.ds_status != self.AVAILABLE or not held or held == {PIN_MARK}:
+                continue
+            pinned = PIN_MARK in held
+            held.clear()
+            if pinned:
+                held.add(PIN_MARK)
+            else:
+                self.release(param)
+
     def release_backward_leftovers(self, params) -> None:
         """After an interrupted backward: modules whose post-backward never ran still hold params."""
         # 0.19.8 keeps a registry of modules in backward and drains it here; 0.17.6 has
