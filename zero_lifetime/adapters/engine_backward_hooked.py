@@ -75,6 +75,12 @@ class HookedEngineBackward(EngineBackwardBase):
         state.post_backward_callback_queued = False
         state.post_backward_callback_graph_task_id = None
         state.remaining_grad_acc_hooks = 0
+        # 0.18.9's engine.backward() sets this flag around loss.backward() without a
+        # finally: left set by a dead one, every later loss.backward() skips DeepSpeed's
+        # epilogue and reduces nothing (step() then fails). 0.19.8 counts and resets it itself.
+        engine = self.engine
+        if getattr(engine, "_running_engine_backward", False) and not hasattr(engine, "_running_engine_backward_count"):
+            engine._running_engine_backward = False
 
     def restore(self) -> None:
         """Nothing patched."""
