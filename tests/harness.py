@@ -270,15 +270,3 @@ def params_saved_by_forward(model_name: str, module) -> list:
     if linear_saves_params() or model_name != "mlp_norm":
         return names
     return ["ln.weight", "ln.bias", "l2.weight"]  # l1's input needs no grad; biases are not saved
-
-
-def stock_backward_leftovers(model_name: str) -> list:
-    """Params stock DeepSpeed itself keeps gathered from a completed backward until step().
-
-    0.19.8 releases the params of a module whose post-backward release never ran (its input
-    needs no grad: mlp_norm's l1) in its epilogue (``release_backward_leftovers``); 0.17.6 has
-    no such release and keeps them until step() (measured, without zero_lifetime)."""
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-    if hasattr(PartitionedParameterCoordinator, "release_backward_leftovers") or model_name != "mlp_norm":
-        return []
-    return ["l1.weight", "l1.bias"]

@@ -405,22 +405,25 @@ def test_gradient_penalty(stage):
         assert released_state(engine) == ([], [])
 
 
-@pytest.mark.parametrize("wrt", ["input", "param"])
+@pytest.mark.parametrize("wrt, input_grad", [("input", True), ("param", False), ("param", True)],
+                         ids=["input", "param", "param-input-needs-grad"])
 @pytest.mark.parametrize("stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")])
-def test_autograd_grad_and_a_training_backward_through_one_graph(wrt, stage, policy):
+def test_autograd_grad_and_a_training_backward_through_one_graph(wrt, input_grad, stage, policy):
     """torch.autograd.grad for the input after a retained training backward (saliency maps,
     adversarial examples), or for a shared weight before the training backward (GradNorm).
     What the input gradient gathers again accumulates no gradient, so under "regather" only
-    the end of that backward releases it: nothing may stay gathered after it."""
+    the end of that backward releases it: nothing may stay gathered after it. With an input
+    that needs grad, the weight's gradient leaves the first layer's post-backward hook
+    unreached, which the training backward then reaches: DeepSpeed must fetch for it again."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     zero_lifetime.install(engine, policy=policy)
     for step in range(2):
-        x = make_input("mlp_norm", step).requires_grad_(wrt == "input")
+        x = make_input("mlp_norm", step).requires_grad_(input_grad)
         got = grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
         if policy == "regather" and wrt == "input":
             assert released_state(engine) == ([], [])
         engine.step()
-        x_ref = make_input("mlp_norm", step).requires_grad_(wrt == "input")
+        x_ref = make_input("mlp_norm", step).requires_grad_(input_grad)
         want = grad_and_backward(reference, torch.Tensor.backward, reference.l1.weight, x_ref, wrt)
         ref_opt.step()
         ref_opt.zero_grad()

@@ -1,0 +1,280 @@
+"""Random programs of autograd operations on an installed engine and on plain torch, side by side.
+
+A program is a seeded sequence of what users do with graphs: forwards (with or without grad,
+input gradients wanted or not), backwards of either loss of any live graph (retained or not,
+through ``engine.backward`` or ``loss.backward()``), ``torch.autograd.grad`` for the input or
+for a weight, graphs dropped in any order, ``zero_grad()`` and ``step()``, with up to
+``MAX_LIVE`` graphs alive at once. Each operation runs on the engine and on a plain-torch copy
+of the model; what torch returns is the oracle:
+
+* every forward output, every ``autograd.grad`` result and, after every ``step()``, every
+  weight must match torch;
+* where torch raises, the engine must raise too: a backward through a graph saved before a
+  ``step()`` (torch: "modified by an inplace operation"), a second backward through a freed
+  graph; and a ``step()`` with no backward since the last one raises
+  ``StepWithoutBackwardError``, leaving the weights as they are;
+* after every operation no ZeRO-3 param may be released with memory still attached; under
+  ``regather`` nothing stays gathered; under ``pin`` nothing stays gathered or pinned once no
+  graph is alive.
+
+Used by tests/test_lifetime_programs.py (1 rank, stages 1-3, both policies).
+"""
+
+import gc
+import random
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+import zero_lifetime
+from harness import MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
+
+MAX_LIVE = 3
+FLOAT_INPUT_MODELS = ("mlp_norm", "raw_alias", "ckpt_nonreentrant")
+
+
+@dataclass
+class Graph:
+    """One forward's two losses on the engine and on the reference, and its input."""
+    label: str
+    engine_losses: tuple
+    reference_losses: tuple
+    engine_x: torch.Tensor
+    reference_x: torch.Tensor
+    stale: bool = False  # a step() ran since its forward
+    # That step came after zero_grad() with no backward since: torch's optimizer skipped every
+    # param (no .grad), so torch still runs this graph; DeepSpeed rewrote every weight (with
+    # Adam they move), so the engine refuses it, as after any applied step.
+    stale_on_engine_only: bool = False
+
+
+@dataclass
+class Program:
+    model_name: str
+    stage: int
+    policy: Optional[str]
+    seed: int
+    length: int
+    log: List[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        head = f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed}"
+        return head + "\n  " + "\n  ".join(self.log[-40:])
+
+
+class ProgramRunner:
+    def __init__(self, program: Program):
+        self.p = program
+        self.rng = random.Random(program.seed)
+        # No reuse distance, no prefetch: ZeRO-3 releases each module's params when it is
+        # done with them, so whatever stays gathered is the lifetime's doing. (With a reuse
+        # distance DeepSpeed keeps params its recorded trace expects to be used again soon.)
+        zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0) if program.stage == 3 else {}
+        self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
+                                                              seed=program.seed, **zero)
+        zero_lifetime.install(self.engine, policy=program.policy)
+        self.graphs: List[Graph] = []
+        self.forwards = 0
+        self.backward_since_step = False
+        self.steps = 0
+        self.operations = 0
+        self.weight_name = next(name for name, _ in self.engine.module.named_parameters())
+        self.cleanup_pending = False
+        self.backward_since_zero_grad = False
+
+    # -- operations -------------------------------------------------------------------------
+
+    def forward(self):
+        self.cleanup_pending = False  # an engine call
+        self.forwards += 1
+        seed = 1000 * self.p.seed + self.forwards
+        wants_input_grad = self.p.model_name in FLOAT_INPUT_MODELS and self.rng.random() < 0.5
+        no_grad = self.rng.random() < 0.15
+        x_e = make_input(self.p.model_name, seed).requires_grad_(wants_input_grad)
+        x_r = make_input(self.p.model_name, seed).requires_grad_(wants_input_grad)
+        if no_grad:
+            self.p.log.append(f"forward #{self.forwards} under no_grad")
+            with torch.no_grad():
+                torch.testing.assert_close(self.engine(x_e), self.reference(x_r), atol=1e-5, rtol=1e-4)
+            return
+        label = f"g{self.forwards}"
+        self.p.log.append(f"forward {label} (input grad {wants_input_grad})")
+        out_e, out_r = self.engine(x_e), self.reference(x_r)
+        torch.testing.assert_close(out_e, out_r, atol=1e-5, rtol=1e-4)
+        self.graphs.append(Graph(label, losses(out_e), losses(out_r), x_e, x_r))
+
+    def backward(self, graph: Graph):
+        which = self.rng.randrange(2)
+        retain = self.rng.random() < 0.7
+        manual = TORCH_STYLE_BACKWARD and self.rng.random() < 0.4
+        self.p.log.append(f"backward {graph.label} loss {which} retain={retain} "
+                          f"{'loss.backward()' if manual else 'engine.backward'}{' (stale)' if graph.stale else ''}")
+        loss_e, loss_r = graph.engine_losses[which], graph.reference_losses[which]
+
+        def on_engine():
+            loss_e.backward(retain_graph=retain) if manual else self.engine.backward(loss_e, retain_graph=retain)
+
+        def on_reference():
+            loss_r.backward(retain_graph=retain)
+
+        self._run_both(graph, on_engine, on_reference, keeps_graph=retain)
+        if not manual:  # engine.backward cleans up after itself, even when it raises
+            self.cleanup_pending = False
+        if not graph.stale:
+            self.backward_since_step = True
+            self.backward_since_zero_grad = True
+
+    def autograd_grad(self, graph: Graph):
+        wrt_input = graph.engine_x.requires_grad and self.rng.random() < 0.6
+        which = self.rng.randrange(2)
+        retain = self.rng.random() < 0.7
+        self.p.log.append(f"autograd.grad {graph.label} loss {which} wrt "
+                          f"{'input' if wrt_input else self.weight_name} retain={retain}"
+                          f"{' (stale)' if graph.stale else ''}")
+        if wrt_input:
+            wrt_e, wrt_r = graph.engine_x, graph.reference_x
+        else:
+            wrt_e = dict(self.engine.module.named_parameters())[self.weight_name]
+            wrt_r = dict(self.reference.named_parameters())[self.weight_name]
+        got = []
+        want = []
+        self._run_both(
+            graph,
+            lambda: got.append(torch.autograd.grad(graph.engine_losses[which], [wrt_e], retain_graph=retain)[0]),
+            lambda: want.append(torch.autograd.grad(graph.reference_losses[which], [wrt_r], retain_graph=retain)[0]),
+            keeps_graph=retain)
+        if want:
+            torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+
+    def drop(self, graph: Graph):
+        self.p.log.append(f"drop {graph.label}")
+        self.graphs.remove(graph)
+
+    def zero_grad(self):
+        self.cleanup_pending = False
+        self.backward_since_zero_grad = False
+        self.p.log.append("zero_grad")
+        self.engine.zero_grad()
+        self.ref_opt.zero_grad()
+
+    def step(self):
+        self.cleanup_pending = False
+        if not self.backward_since_step:
+            self.p.log.append("step without a backward since the last step: must raise")
+            before = [w.clone() for w in self.reference.parameters()]
+            try:
+                self.engine.step()
+            except zero_lifetime.StepWithoutBackwardError:
+                pass
+            else:
+                raise AssertionError("step() with no backward since the last step did not raise")
+            assert_weights_match(self.engine, self.reference)
+            assert all(torch.equal(a, b) for a, b in zip(before, self.reference.parameters()))
+            return
+        self.p.log.append("step" + ("" if self.backward_since_zero_grad else " (nothing since zero_grad)"))
+        self.steps += 1
+        self.engine.step()
+        self.ref_opt.step()
+        self.ref_opt.zero_grad()
+        self.backward_since_step = False
+        for graph in self.graphs:
+            if not graph.stale:
+                graph.stale_on_engine_only = not self.backward_since_zero_grad
+            graph.stale = True
+        self.backward_since_zero_grad = False
+        assert_weights_match(self.engine, self.reference)
+
+    # -- shared -----------------------------------------------------------------------------
+
+    def _run_both(self, graph: Graph, on_engine, on_reference, keeps_graph: bool):
+        """Run on the reference first: where torch raises, the engine must raise as well, and
+        the gradients torch accumulated before raising are taken back (the engine's dead
+        backward adds nothing on a model this small: every gradient still waits in a bucket)."""
+        if graph.stale_on_engine_only:
+            try:
+                on_engine()
+            except RuntimeError as error:
+                self.p.log.append(f"  the engine raised: {str(error).splitlines()[0][:90]}")
+            else:
+                raise AssertionError("a graph saved before an applied step() ran on the engine")
+            self.graphs.remove(graph)
+            self.cleanup_pending = True
+            return
+        saved_grads = [None if p.grad is None else p.grad.clone() for p in self.reference.parameters()]
+        try:
+            on_reference()
+        except RuntimeError as reference_error:
+            for p, g in zip(self.reference.parameters(), saved_grads):
+                p.grad = g
+            try:
+                on_engine()
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError(f"torch raised, the engine did not: {reference_error}")
+            self.p.log.append(f"  both raised: {str(reference_error).splitlines()[0][:90]}")
+            self.graphs.remove(graph)
+            # A backward that raised is cleaned up by the next engine call (README).
+            self.cleanup_pending = True
+            return
+        on_engine()
+        if not keeps_graph:
+            self.graphs.remove(graph)
+
+    def check_invariants(self):
+        if self.p.stage != 3:
+            return
+        gc.collect()
+        gathered, inconsistent = released_state(self.engine)
+        assert inconsistent == [], f"released with memory attached: {inconsistent}"
+        if gathered:
+            self.p.log[-1] += f"  [gathered: {' '.join(gathered)}]"
+        if self.cleanup_pending:
+            return
+        if self.p.policy == "regather":
+            assert gathered == [], f"still gathered under regather: {gathered}"
+        elif not self.graphs:
+            stats = zero_lifetime.stats(self.engine)
+            assert gathered == [], f"gathered with no graph alive: {gathered}"
+            assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
+
+    # -- driver -----------------------------------------------------------------------------
+
+    def next_operation(self):
+        if self.cleanup_pending:
+            # After a plain backward or an autograd.grad that raised, the next call must be an
+            # engine call: until one cleans up, a plain backward goes unseen (README, Limitations).
+            return self.rng.choice([self.forward, self.zero_grad, self.step])
+        choices = []
+        if len(self.graphs) < MAX_LIVE:
+            choices += [self.forward] * 3
+        for graph in self.graphs:
+            choices += [lambda g=graph: self.backward(g)] * 3
+            choices += [lambda g=graph: self.autograd_grad(g)]
+            choices += [lambda g=graph: self.drop(g)]
+        choices += [self.step] * 2 + [self.zero_grad]
+        return self.rng.choice(choices)
+
+    def run(self):
+        for _ in range(self.p.length):
+            self.next_operation()()
+            self.operations += 1
+            self.check_invariants()
+        while self.graphs:
+            self.drop(self.graphs[0])
+        self.check_invariants()
+        if self.backward_since_step:
+            self.step()
+        return self
+
+
+def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int) -> ProgramRunner:
+    program = Program(model_name, stage, policy, seed, length)
+    try:
+        return ProgramRunner(program).run()
+    except BaseException as error:
+        raise AssertionError(f"{error}\n{program.describe()}") from error
+
+
+assert set(FLOAT_INPUT_MODELS) <= set(MODELS)

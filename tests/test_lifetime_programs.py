@@ -1,0 +1,34 @@
+"""Random programs of forwards, backwards, torch.autograd.grad, dropped graphs, zero_grad()
+and step() on installed engines (1 rank), each operation checked against plain torch.
+
+See lifetime_programs.py for what a program does and what is asserted after each operation.
+ZL_LIFETIME_PROGRAMS sets the number of seeds per case (CI: 3; release testing: 50 or more).
+"""
+
+import os
+
+import pytest
+
+from harness import MODELS
+from lifetime_programs import run_program
+
+SEEDS = range(int(os.environ.get("ZL_LIFETIME_PROGRAMS", "3")))
+LENGTH = 40  # operations per program
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")],
+                         ids=["stage1", "stage2", "stage3-regather", "stage3-pin"])
+def test_random_program_matches_torch(stage, policy, model_name, seed):
+    runner = run_program(model_name, stage, policy, seed, LENGTH)
+    assert runner.forwards > 0 and runner.operations == LENGTH
+
+
+# Programs that found bugs, kept whatever ZL_LIFETIME_PROGRAMS is: stage 3, seed 23 lost a
+# completed backward's gradients when the cleanup after a dead torch.autograd.grad (a graph
+# saved before a step()) dropped them as for a dead training backward.
+@pytest.mark.parametrize("model_name, stage, policy, seed", [("mlp_norm", 3, "regather", 23),
+                                                             ("mlp_norm", 3, "pin", 23)])
+def test_programs_that_found_bugs(model_name, stage, policy, seed):
+    run_program(model_name, stage, policy, seed, LENGTH)
