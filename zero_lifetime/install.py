@@ -218,9 +218,9 @@ class Installation:
                 if self._backward_since_step:
                     raise
                 raise StepWithoutBackwardError(
-                    "zero_lifetime: step() with no backward since the previous step() (or since install): DeepSpeed has no "
-                    "gradients to step with (torch would leave the weights as they are). Skip step() for "
-                    "a batch whose backward you skip.") from error
+                    "zero_lifetime: step() with no backward since the previous step() (or since install): "
+                    "DeepSpeed has no gradients to step with (torch would leave the weights as they are). "
+                    "Skip step() for a batch whose backward you skip.") from error
             self._backward_since_step = False
             if self.accumulation is not None:
                 self.accumulation.grads_cleared()

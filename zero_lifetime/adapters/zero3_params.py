@@ -63,15 +63,22 @@ class Zero3Params:
         param.partition()
         return True
 
+    def _drain_backward_registry(self) -> bool:
+        """Release what modules in 0.19.8's registry of modules in backward hold, as its
+        epilogue does; False where the release keeps no such registry (0.18.9, 0.17.6)."""
+        drain = getattr(self.coordinator(), "release_backward_leftovers", None)
+        if drain is None:
+            return False
+        drain()
+        return True
+
     def release_modules_left_in_backward(self, params) -> None:
         """At the end of a backward: release what modules still hold whose post-backward
         hook never ran (a module whose input needs no grad, or one a torch.autograd.grad did
         not ask for). 0.19.8 keeps a registry of modules in backward and drains it in its
         epilogue, as here; 0.18.9 and 0.17.6 keep none and hold such params until step():
         there each param's module marks go (never a pin) and it is released."""
-        drain = getattr(self.coordinator(), "release_backward_leftovers", None)
-        if drain is not None:
-            drain()
+        if self._drain_backward_registry():
             return
         for param in params:
             held = param.ds_active_sub_modules
@@ -86,11 +93,8 @@ class Zero3Params:
 
     def release_backward_leftovers(self, params) -> None:
         """After an interrupted backward: modules whose post-backward never ran still hold params."""
-        # 0.19.8 keeps a registry of modules in backward and drains it here; 0.17.6 has
-        # none (nothing to drain): clearing each param's active modules below suffices there.
-        drain = getattr(self.coordinator(), "release_backward_leftovers", None)
-        if drain is not None:
-            drain()
+        # Without a registry (0.18.9, 0.17.6) clearing each param's active modules suffices.
+        self._drain_backward_registry()
         for param in params:
             param.ds_active_sub_modules.clear()
             self.release(param)
