@@ -10,8 +10,8 @@ of the model; what torch returns is the oracle:
 * every forward output, every ``autograd.grad`` result and, after every ``step()``, every
   weight must match torch;
 * where torch raises, the engine must raise too: a backward through a graph saved before a
-  ``step()`` (torch: "modified by an inplace operation"), a second backward through a freed
-  graph; and a ``step()`` with no backward since the last one raises
+  ``step()`` (torch: "modified by an inplace operation"), ``autograd.grad`` through reentrant
+  checkpointing; and a ``step()`` with no backward since the last one raises
   ``StepWithoutBackwardError``, leaving the weights as they are;
 * after every operation no ZeRO-3 param may be released with memory still attached; under
   ``regather`` nothing stays gathered; under ``pin`` nothing stays gathered or pinned once no
@@ -77,7 +77,6 @@ class ProgramRunner:
         self.graphs: List[Graph] = []
         self.forwards = 0
         self.backward_since_step = False
-        self.steps = 0
         self.operations = 0
         self.weight_name = next(name for name, _ in self.engine.module.named_parameters())
         self.cleanup_pending = False
@@ -162,7 +161,6 @@ class ProgramRunner:
         self.cleanup_pending = False
         if not self.backward_since_step:
             self.p.log.append("step without a backward since the last step: must raise")
-            before = [w.clone() for w in self.reference.parameters()]
             try:
                 self.engine.step()
             except zero_lifetime.StepWithoutBackwardError:
@@ -170,10 +168,8 @@ class ProgramRunner:
             else:
                 raise AssertionError("step() with no backward since the last step did not raise")
             assert_weights_match(self.engine, self.reference)
-            assert all(torch.equal(a, b) for a, b in zip(before, self.reference.parameters()))
             return
         self.p.log.append("step" + ("" if self.backward_since_zero_grad else " (nothing since zero_grad)"))
-        self.steps += 1
         self.engine.step()
         self.ref_opt.step()
         self.ref_opt.zero_grad()
@@ -273,7 +269,7 @@ def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, l
     program = Program(model_name, stage, policy, seed, length)
     try:
         return ProgramRunner(program).run()
-    except BaseException as error:
+    except Exception as error:
         raise AssertionError(f"{error}\n{program.describe()}") from error
 
 

@@ -129,9 +129,10 @@ DEAD_BACKWARD_ENGINES = {
 _FAILING_INPUT_SEED = 6
 
 
-def _one_backward_then_a_dead_one(engine_kind, config=None, **zero_overrides):
+def _one_backward_then_a_dead_one(engine_kind, config=None, dead="engine_backward", **zero_overrides):
     """An engine after one completed backward (its graph retained) and one that died in the
-    middle of the model, after l2's params had their gradients; no zero_grad()."""
+    middle of the model, after l2's params had their gradients; no zero_grad(). ``dead``:
+    the dying pass is an engine.backward() or a torch.autograd.grad() for the input."""
     stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
     engine, reference, ref_opt = make_pair("mlp_norm", stage, config=config, **zero, **zero_overrides)
     zero_lifetime.install(engine)
@@ -139,8 +140,13 @@ def _one_backward_then_a_dead_one(engine_kind, config=None, **zero_overrides):
     l1, l2 = losses(engine(x))
     engine.backward(l1, retain_graph=True)
     hook = engine.module.ln.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    x_failing = make_input("mlp_norm", _FAILING_INPUT_SEED).requires_grad_(dead == "autograd_grad")
     with pytest.raises(ArithmeticError, match="loss backward failed"):
-        engine.backward(losses(engine(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0])
+        failing_loss = losses(engine(x_failing))[0]
+        if dead == "autograd_grad":
+            torch.autograd.grad(failing_loss, [x_failing])
+        else:
+            engine.backward(failing_loss)
     hook.remove()
     r1, r2 = losses(reference(x))
     r1.backward(retain_graph=True)
@@ -165,13 +171,16 @@ def _then(engine, reference, ref_opt, l2, r2, then):
     assert zero_lifetime.stats(engine)["failed_backwards"] == 1
 
 
+@pytest.mark.parametrize("dead", ["engine_backward", "autograd_grad"])
 @pytest.mark.parametrize("then", ["step", "retained_loss", "new_forward", "retained_loss_plain_backward"])
 @pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
-def test_dead_backward_keeps_the_earlier_backwards_gradients(engine_kind, then):
+def test_dead_backward_keeps_the_earlier_backwards_gradients(engine_kind, then, dead, request):
     """No zero_grad() after a backward that died: step() applies what the backwards before
     it summed (and any backward after it adds to that); the dead one adds nothing here, as
     its gradients still waited in DeepSpeed's bucket. A plain loss.backward() after the dead
     engine.backward() reduces too (0.18.9 left a flag set that made DeepSpeed skip its epilogue).
+    A dead torch.autograd.grad reduced nothing: its cleanup leaves those gradients alone (the
+    random program mlp_norm/stage 3/seed 23 found it dropping them; this order did not).
 
     Oracle: torch over the backwards that completed. (Torch would also keep what the dead
     backward reached; DeepSpeed's buckets drop that.) Before the fix, ZeRO-1/2 with offload
@@ -179,41 +188,12 @@ def test_dead_backward_keeps_the_earlier_backwards_gradients(engine_kind, then):
     """
     if then == "retained_loss_plain_backward" and not TORCH_STYLE_BACKWARD:
         pytest.skip("DeepSpeed 0.17.6 reduces only inside engine.backward(loss)")
-    engine, reference, ref_opt, l2, r2 = _one_backward_then_a_dead_one(engine_kind)
+    if then == "retained_loss_plain_backward" and dead == "autograd_grad":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "known limitation (README): a plain backward right after a plain pass that raised, "
+            "with no engine call between them, goes unseen and reduces nothing")))
+    engine, reference, ref_opt, l2, r2 = _one_backward_then_a_dead_one(engine_kind, dead=dead)
     _then(engine, reference, ref_opt, l2, r2, then)
-    ref_opt.step()
-    ref_opt.zero_grad()
-    assert_weights_match(engine, reference)
-    _plain_step(engine, reference, ref_opt, 0)
-    assert_weights_match(engine, reference)
-
-
-@pytest.mark.parametrize("then", ["step", "new_forward"])
-@pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
-def test_dead_autograd_grad_keeps_the_gradients_before_it(engine_kind, then):
-    """A torch.autograd.grad that raises (caught) after a completed backward reduced nothing
-    and zeroed nothing: the cleanup at the next engine call must leave that backward's
-    gradients alone. (This order did not lose them before either; the random program
-    mlp_norm/stage 3/seed 23 in test_lifetime_programs.py did.)"""
-    stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
-    engine, reference, ref_opt = make_pair("mlp_norm", stage, **zero)
-    zero_lifetime.install(engine)
-    _plain_step(engine, reference, ref_opt, 3)
-    x = make_input("mlp_norm", 5).requires_grad_(True)
-    l1, l2 = losses(engine(x))
-    l1.backward(retain_graph=True) if TORCH_STYLE_BACKWARD else engine.backward(l1, retain_graph=True)
-    losses(reference(x))[0].backward()
-    hook = engine.module.ln.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
-    x_failing = make_input("mlp_norm", _FAILING_INPUT_SEED).requires_grad_(True)
-    with pytest.raises(ArithmeticError, match="loss backward failed"):
-        torch.autograd.grad(losses(engine(x_failing))[0], [x_failing])
-    hook.remove()
-    if then == "new_forward":
-        x_after = make_input("mlp_norm", 7)
-        engine.backward(losses(engine(x_after))[0])
-        losses(reference(x_after))[0].backward()
-    engine.step()
-    assert zero_lifetime.stats(engine)["failed_backwards"] == 1
     ref_opt.step()
     ref_opt.zero_grad()
     assert_weights_match(engine, reference)
