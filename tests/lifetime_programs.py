@@ -12,7 +12,8 @@ of the model; what torch returns is the oracle:
 * where torch raises, the engine must raise too: a backward through a graph saved before a
   ``step()`` (torch: "modified by an inplace operation"), ``autograd.grad`` through reentrant
   checkpointing; and a ``step()`` with no backward since the last one raises
-  ``StepWithoutBackwardError``, leaving the weights as they are;
+  ``StepWithoutBackwardError``, leaving the weights as they are; any operation may follow
+  one that raised (a plain backward included: the cleanup runs as the pass dies);
 * after every operation no ZeRO-3 param may be released with memory still attached; under
   ``regather`` nothing stays gathered; under ``pin`` nothing stays gathered or pinned once no
   graph is alive.
@@ -79,13 +80,11 @@ class ProgramRunner:
         self.backward_since_step = False
         self.operations = 0
         self.weight_name = next(name for name, _ in self.engine.module.named_parameters())
-        self.cleanup_pending = False
         self.backward_since_zero_grad = False
 
     # -- operations -------------------------------------------------------------------------
 
     def forward(self):
-        self.cleanup_pending = False  # an engine call
         self.forwards += 1
         seed = 1000 * self.p.seed + self.forwards
         wants_input_grad = self.p.model_name in FLOAT_INPUT_MODELS and self.rng.random() < 0.5
@@ -118,8 +117,6 @@ class ProgramRunner:
             loss_r.backward(retain_graph=retain)
 
         self._run_both(graph, on_engine, on_reference, keeps_graph=retain)
-        if not manual:  # engine.backward cleans up after itself, even when it raises
-            self.cleanup_pending = False
         if not graph.stale:
             self.backward_since_step = True
             self.backward_since_zero_grad = True
@@ -151,14 +148,12 @@ class ProgramRunner:
         self.graphs.remove(graph)
 
     def zero_grad(self):
-        self.cleanup_pending = False
         self.backward_since_zero_grad = False
         self.p.log.append("zero_grad")
         self.engine.zero_grad()
         self.ref_opt.zero_grad()
 
     def step(self):
-        self.cleanup_pending = False
         if not self.backward_since_step:
             self.p.log.append("step without a backward since the last step: must raise")
             try:
@@ -195,7 +190,6 @@ class ProgramRunner:
             else:
                 raise AssertionError("a graph saved before an applied step() ran on the engine")
             self.graphs.remove(graph)
-            self.cleanup_pending = True
             return
         saved_grads = [None if p.grad is None else p.grad.clone() for p in self.reference.parameters()]
         try:
@@ -211,8 +205,6 @@ class ProgramRunner:
                 raise AssertionError(f"torch raised, the engine did not: {reference_error}")
             self.p.log.append(f"  both raised: {str(reference_error).splitlines()[0][:90]}")
             self.graphs.remove(graph)
-            # A backward that raised is cleaned up by the next engine call (README).
-            self.cleanup_pending = True
             return
         on_engine()
         if not keeps_graph:
@@ -226,8 +218,6 @@ class ProgramRunner:
         assert inconsistent == [], f"released with memory attached: {inconsistent}"
         if gathered:
             self.p.log[-1] += f"  [gathered: {' '.join(gathered)}]"
-        if self.cleanup_pending:
-            return
         if self.p.policy == "regather":
             assert gathered == [], f"still gathered under regather: {gathered}"
         elif not self.graphs:
@@ -238,10 +228,6 @@ class ProgramRunner:
     # -- driver -----------------------------------------------------------------------------
 
     def next_operation(self):
-        if self.cleanup_pending:
-            # After a plain backward or an autograd.grad that raised, the next call must be an
-            # engine call: until one cleans up, a plain backward goes unseen (README, Limitations).
-            return self.rng.choice([self.forward, self.zero_grad, self.step])
         choices = []
         if len(self.graphs) < MAX_LIVE:
             choices += [self.forward] * 3

@@ -188,10 +188,6 @@ def test_dead_backward_keeps_the_earlier_backwards_gradients(engine_kind, then, 
     """
     if then == "retained_loss_plain_backward" and not TORCH_STYLE_BACKWARD:
         pytest.skip("DeepSpeed 0.17.6 reduces only inside engine.backward(loss)")
-    if then == "retained_loss_plain_backward" and dead == "autograd_grad":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "known limitation (README): a plain backward right after a plain pass that raised, "
-            "with no engine call between them, goes unseen and reduces nothing")))
     engine, reference, ref_opt, l2, r2 = _one_backward_then_a_dead_one(engine_kind, dead=dead)
     _then(engine, reference, ref_opt, l2, r2, then)
     ref_opt.step()

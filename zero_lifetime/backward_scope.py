@@ -4,7 +4,8 @@ A "backward" is one autograd graph task. It is entered from the first of our
 hooks that fires inside it (a forward-output hook, a pre-AccumulateGrad hook or
 a saved-tensor unpack); its end is a callback queued on that same graph task.
 Nested graph tasks (reentrant checkpointing) belong to the backward that is
-already open.
+already open. A graph task that raises drops its queued callbacks without calling
+them: the dropped callback tells the scope at once that its backward died.
 """
 
 import threading
@@ -27,11 +28,39 @@ def run_after_backward(callback: Callable[[], None]) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+class _EndOfTask:
+    """The callback queued on the graph task of a backward the scope opened.
+
+    Torch calls it when the task completes, then drops it. A task that raised drops it
+    uncalled, before the exception reaches the caller: ``__del__`` then reports the death."""
+
+    __slots__ = ("_scope", "_task", "_called")
+
+    def __init__(self, scope: "BackwardScope", task: int):
+        self._scope = scope
+        self._task = task
+        self._called = False
+
+    def __call__(self) -> None:
+        self._called = True
+        self._scope._finish()
+
+    def __del__(self) -> None:
+        if not self._called:
+            self._scope._task_died(self._task)
+
+
 class BackwardScope:
 
-    def __init__(self, on_start: Callable[[], None], on_end: Callable[[], None]):
+    def __init__(self, on_start: Callable[[], None], on_end: Callable[[], None],
+                 on_died: Callable[[], None] = lambda: None):
+        """``on_died()`` runs when the open backward's graph task dies, as torch drops the
+        task, if that happens on a Python thread (the caller of backward, before the exception
+        reaches it). Dropped on an autograd device thread (CUDA), the caller may already run
+        on: the death then waits for ``abandon``."""
         self._on_start = on_start
         self._on_end = on_end
+        self._on_died = on_died
         self._lock = threading.Lock()
         self.active_task: Optional[int] = None
 
@@ -48,9 +77,15 @@ class BackwardScope:
             if self.active_task is not None:
                 return False
             self.active_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        torch.autograd.Variable._execution_engine.queue_callback(_EndOfTask(self, task))
         self._on_start()
         return True
+
+    def _task_died(self, task: int) -> None:
+        # A stale report (the task was abandoned already, another backward may be open) is
+        # ignored. Threads that Python did not start (torch's device threads) are _DummyThread.
+        if self.active_task == task and not isinstance(threading.current_thread(), threading._DummyThread):
+            self._on_died()
 
     def _finish(self) -> None:
         try:

@@ -58,7 +58,8 @@ class Installation:
         require_zero_optimizer(engine, self.stage)
         require_no_deepcompile(engine)
         self.backward = None
-        self.scope = BackwardScope(self._on_backward_start, self._on_backward_end)
+        self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
+        self._engine_calls = 0  # engine forward/backward calls running (nested ones counted)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
         self._latest_forward = _ForwardOutputs()
@@ -157,15 +158,19 @@ class Installation:
 
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
-            if self.lifetime is None:
-                output = original(*args, **kwargs)
-            else:
-                self.lifetime.begin()
-                try:
-                    with self.lifetime.saved_tensors_hooks():
-                        output = original(*args, **kwargs)
-                finally:
-                    self.lifetime.end()
+            self._engine_calls += 1
+            try:
+                if self.lifetime is None:
+                    output = original(*args, **kwargs)
+                else:
+                    self.lifetime.begin()
+                    try:
+                        with self.lifetime.saved_tensors_hooks():
+                            output = original(*args, **kwargs)
+                    finally:
+                        self.lifetime.end()
+            finally:
+                self._engine_calls -= 1
             # DeepSpeed attached its output hook managers inside the original forward.
             self._latest_forward.set_managers(self.backward.output_hook_managers(_tensors_in(output)))
             return output
@@ -176,11 +181,15 @@ class Installation:
 
         def backward(loss, *args, **kwargs):
             self.recover_if_backward_died()
+            self._engine_calls += 1
             try:
-                return original(loss, *args, **kwargs)
+                result = original(loss, *args, **kwargs)
             except BaseException:
-                self.recover_if_backward_died()
+                self._engine_calls -= 1
+                self.recover_if_backward_died()  # after DeepSpeed's own handlers have run
                 raise
+            self._engine_calls -= 1
+            return result
 
         return backward
 
@@ -366,6 +375,13 @@ class Installation:
             self.grad_guard.check_backward(self.window.params_this_backward())
 
     # ---- faults ----------------------------------------------------------------------------
+
+    def _on_backward_died(self) -> None:
+        """Torch drops a dead backward's task before its exception reaches the caller: clean
+        up then, as the next engine call would, so that a plain backward right after it is
+        seen. Inside an engine forward or backward, that call's wrapper cleans up later."""
+        if self._engine_calls == 0:
+            self.recover_if_backward_died()
 
     def recover_if_backward_died(self) -> None:
         """An exception inside a backward skips its end callback: clean up at the next call."""
