@@ -75,6 +75,12 @@ class ProgramRunner:
         self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
                                                               seed=program.seed, **zero)
         zero_lifetime.install(self.engine, policy=program.policy)
+        # check_invariants collects garbage after every operation: leave what exists now (the
+        # engine, its model, what earlier tests and lazy imports made) out of those collections,
+        # which then walk only this program's objects (0.17 s a collection otherwise, 97% of a
+        # program's time). The engine leaks when the program ends: a small one, once per program.
+        gc.collect()
+        gc.freeze()
         self.graphs: List[Graph] = []
         self.forwards = 0
         self.backward_since_step = False
@@ -141,7 +147,9 @@ class ProgramRunner:
             lambda: want.append(torch.autograd.grad(graph.reference_losses[which], [wrt_r], retain_graph=retain)[0]),
             keeps_graph=retain)
         if want:
-            torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+            # A program can drive the weights far enough that torch's own gradient overflows
+            # (0.17.6, tied_lm, seed 72: NaN on every stage); the engine must match it there too.
+            torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4, equal_nan=True)
 
     def drop(self, graph: Graph):
         self.p.log.append(f"drop {graph.label}")

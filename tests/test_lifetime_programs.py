@@ -2,7 +2,7 @@
 and step() on installed engines (1 rank), each operation checked against plain torch.
 
 See lifetime_programs.py for what a program does and what is asserted after each operation.
-ZL_LIFETIME_PROGRAMS sets the number of seeds per case (CI: 3; release testing: 50 or more).
+ZL_LIFETIME_PROGRAMS sets the number of seeds per case (CI: 10; release testing: 100 or more).
 """
 
 import os
@@ -12,7 +12,7 @@ import pytest
 from harness import MODELS
 from lifetime_programs import run_program
 
-SEEDS = range(int(os.environ.get("ZL_LIFETIME_PROGRAMS", "3")))
+SEEDS = range(int(os.environ.get("ZL_LIFETIME_PROGRAMS", "10")))
 LENGTH = 40  # operations per program
 
 
