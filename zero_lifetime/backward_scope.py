@@ -53,7 +53,7 @@ class _EndOfTask:
 class BackwardScope:
 
     def __init__(self, on_start: Callable[[], None], on_end: Callable[[], None],
-                 on_died: Callable[[], None] = lambda: None):
+                 on_died: Callable[[], None]):
         """``on_died()`` runs when the open backward's graph task dies, as torch drops the
         task, if that happens on a Python thread (the caller of backward, before the exception
         reaches it). Dropped on an autograd device thread (CUDA), the caller may already run

@@ -1,5 +1,6 @@
 """install(engine) / uninstall(engine) / stats(engine): the public entry points."""
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -158,8 +159,7 @@ class Installation:
 
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
-            self._engine_calls += 1
-            try:
+            with self._engine_call():
                 if self.lifetime is None:
                     output = original(*args, **kwargs)
                 else:
@@ -169,8 +169,6 @@ class Installation:
                             output = original(*args, **kwargs)
                     finally:
                         self.lifetime.end()
-            finally:
-                self._engine_calls -= 1
             # DeepSpeed attached its output hook managers inside the original forward.
             self._latest_forward.set_managers(self.backward.output_hook_managers(_tensors_in(output)))
             return output
@@ -181,15 +179,12 @@ class Installation:
 
         def backward(loss, *args, **kwargs):
             self.recover_if_backward_died()
-            self._engine_calls += 1
             try:
-                result = original(loss, *args, **kwargs)
+                with self._engine_call():
+                    return original(loss, *args, **kwargs)
             except BaseException:
-                self._engine_calls -= 1
                 self.recover_if_backward_died()  # after DeepSpeed's own handlers have run
                 raise
-            self._engine_calls -= 1
-            return result
 
         return backward
 
@@ -376,6 +371,16 @@ class Installation:
 
     # ---- faults ----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _engine_call(self):
+        """Counts a running engine forward or backward: a backward dying inside one is
+        cleaned up by that call's wrapper, not as torch drops it (_on_backward_died)."""
+        self._engine_calls += 1
+        try:
+            yield
+        finally:
+            self._engine_calls -= 1
+
     def _on_backward_died(self) -> None:
         """Torch drops a dead backward's task before its exception reaches the caller: clean
         up then, as the next engine call would, so that a plain backward right after it is
@@ -384,7 +389,8 @@ class Installation:
             self.recover_if_backward_died()
 
     def recover_if_backward_died(self) -> None:
-        """An exception inside a backward skips its end callback: clean up at the next call."""
+        """An exception inside a backward skips its end callback: clean up as torch drops its
+        task (_on_backward_died), or else at the next engine call."""
         # A dead backward reduced nothing on purpose: no gradient check when closing it.
         accumulating, self._accumulating = self._accumulating, False
         if not self.scope.abandon():
