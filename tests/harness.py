@@ -82,6 +82,23 @@ class RawAlias(torch.nn.Module):
         return self.l2(h * scale + self.gain)
 
 
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises, half-way through the graph's backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ArithmeticError("loss backward failed")
+
+
+def make_backward_die_at(module):
+    """Every later backward through ``module``'s output raises there; returns the hook handle."""
+    return module.register_forward_hook(lambda _module, _args, out: FailingBackward.apply(out))
+
+
 MODELS = {
     "mlp_norm": MLPNorm,
     "raw_alias": RawAlias,

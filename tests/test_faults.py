@@ -9,20 +9,8 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import (HIDDEN, OUT, TORCH_STYLE_BACKWARD, assert_weights_match, full_weights, losses, make_input,
-                     make_pair, released_state)
-
-
-class _FailingBackward(torch.autograd.Function):
-    """Identity forward; its backward raises, half-way through the graph's backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ArithmeticError("loss backward failed")
+from harness import (HIDDEN, OUT, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match, full_weights, losses,
+                     make_backward_die_at, make_input, make_pair, released_state)
 
 
 def _plain_step(engine, reference, ref_opt, seed):
@@ -71,12 +59,12 @@ def test_backward_raising(policy, where):
     zero_lifetime.install(engine, policy=policy)
     hook = None
     if where == "mid_model":
-        hook = engine.module.ln.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+        hook = make_backward_die_at(engine.module.ln)
 
     def failing_step():
         out = engine(make_input("mlp_norm", 5))
         if where == "loss":
-            out = _FailingBackward.apply(out)
+            out = FailingBackward.apply(out)
         engine.backward(losses(out)[0], retain_graph=True)
 
     with pytest.raises(ArithmeticError, match="loss backward failed"):
@@ -139,7 +127,7 @@ def _one_backward_then_a_dead_one(engine_kind, config=None, dead="engine_backwar
     x = make_input("mlp_norm", 5)
     l1, l2 = losses(engine(x))
     engine.backward(l1, retain_graph=True)
-    hook = engine.module.ln.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    hook = make_backward_die_at(engine.module.ln)
     x_failing = make_input("mlp_norm", _FAILING_INPUT_SEED).requires_grad_(dead == "autograd_grad")
     with pytest.raises(ArithmeticError, match="loss backward failed"):
         failing_loss = losses(engine(x_failing))[0]
@@ -213,7 +201,7 @@ def test_dead_backward_after_a_bucket_was_reduced(engine_kind, then):
     # What the dead backward gave each param in torch before it raised.
     dead = copy.deepcopy(reference)
     dead.zero_grad(set_to_none=True)
-    dead.ln.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    make_backward_die_at(dead.ln)
     with pytest.raises(ArithmeticError):
         losses(dead(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0].backward()
     ref_opt.step()
@@ -248,7 +236,7 @@ def test_dead_first_backward_of_a_step(engine_kind, bucket):
     engine, reference, ref_opt = make_pair("mlp_norm", stage, **zero)
     zero_lifetime.install(engine)
     _plain_step(engine, reference, ref_opt, 1)
-    hook = engine.module.ln.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    hook = make_backward_die_at(engine.module.ln)
     with pytest.raises(ArithmeticError, match="loss backward failed"):
         engine.backward(losses(engine(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0])
     hook.remove()
@@ -307,8 +295,7 @@ def test_dead_backward_in_a_gradient_accumulation_window(engine_kind):
             seed += 1
             x = make_input("mlp_norm", seed)
             if micro == "dies":
-                hook = engine.module.ln.register_forward_hook(
-                    lambda module, args, out: _FailingBackward.apply(out))
+                hook = make_backward_die_at(engine.module.ln)
                 with pytest.raises(ArithmeticError, match="loss backward failed"):
                     engine.backward(losses(engine(x))[0])
                 hook.remove()

@@ -34,6 +34,7 @@ FP16 = [sc for sc in worker.SCENARIOS if sc["kind"] == "fp16"]
 BUCKET_ORDER = [sc for sc in worker.SCENARIOS if sc["kind"] == "bucket_order"]
 STALE = [sc for sc in worker.SCENARIOS if sc["kind"] == "stale"]
 AUTOGRAD_GRAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "autograd_grad"]
+DEAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead"]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
 ORDER_GAS = [sc for sc in BUCKET_ORDER if "gas" in sc]
 ORDER_UNCHECKED = [sc for sc in BUCKET_ORDER if not sc["check"]]
@@ -150,6 +151,26 @@ def test_autograd_grad_through_a_trained_graph_on_every_rank(results, sc):
         assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
         if sc["stage"] == 3:
             assert record["gathered_at_end"] == [] and record["stats"]["live_handles"] == 0, record
+
+
+@pytest.mark.parametrize("sc", DEAD, ids=_ids(DEAD))
+def test_backward_dying_on_every_rank_then_training_goes_on(results, sc):
+    """A backward that dies at the same point on every rank (after a retained one), then
+    another backward, a new forward or zero_grad(), and step(): each rank cleans up alike and
+    the weights follow the all-reduced oracle over the backwards that completed. Only ZeRO-3
+    with a bucket reduced inside the dying backward keeps that bucket (torch keeps what a dead
+    backward reached); zero_grad() drops it. Nothing stays gathered or pinned."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert record["raised"] == "loss backward failed", f"rank {rank}: {record['raised']}"
+        assert record["stats"]["failed_backwards"] == 1, record["stats"]
+        assert not record["step0_bad"], f"rank {rank}: step 0 differs from the oracle: {record['step0_bad']}"
+        keeps_reduced = sc["stage"] == 3 and sc["bucket"] == "one_weight" and sc["then"] != "zero_grad"
+        assert bool(record["kept_dead"]) == keeps_reduced, f"rank {rank}: {record['kept_dead']}"
+        bad = {n: e for n, e in record["tol_excess"].items() if not e <= ATOL}
+        assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
+        if sc["stage"] == 3:
+            assert record["gathered_after_step0"] == [] and record["gathered_at_end"] == [], record
+            assert record["stats"]["live_handles"] == 0 and record["stats"]["pinned_params"] == 0, record["stats"]
 
 
 @pytest.mark.parametrize("sc", MULTITASK, ids=_ids(MULTITASK))

@@ -179,6 +179,24 @@ def _build_scenarios():
         for stage, policy in ((2, "regather"), (3, "regather"), (3, "pin")):
             out.append(dict(id=f"autograd_grad-{wrt}-stage{stage}-{policy}", kind="autograd_grad", wrt=wrt,
                             stage=stage, policy=policy))
+    # A backward that dies half-way on every rank at once (a check in the model raising, the
+    # same on each rank), after a retained one, then what the user does next: the ranks clean
+    # up alike and train on like the oracle. With a bucket as small as one weight, DeepSpeed
+    # reduces (a collective) inside the dying backward. "plain": a loss.backward() follows.
+    def dead(stage, then, offload=False, bucket="whole_model", dies="engine_backward"):
+        sid = f"dead-stage{stage}{'-offload' if offload else ''}-{bucket}-{dies}-{then}"
+        return dict(id=sid, kind="dead", stage=stage, offload=offload, then=then, bucket=bucket, dies=dies,
+                    path="manual" if then == "retained_loss_plain_backward" else "engine")
+
+    for stage, offload in ((1, False), (2, False), (3, False), (2, True)):
+        for then in ("retained_loss", "new_forward", "zero_grad"):
+            out.append(dead(stage, then, offload))
+    for stage in (1, 2, 3):
+        for then in ("new_forward", "zero_grad"):
+            out.append(dead(stage, then, bucket="one_weight"))
+        out.append(dead(stage, "retained_loss_plain_backward"))
+    out.append(dead(2, "new_forward", dies="autograd_grad"))
+    out.append(dead(3, "retained_loss", dies="autograd_grad"))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -544,6 +562,106 @@ def _run_autograd_grad(sc, rank):
     return record
 
 
+def _run_dead(sc, rank):
+    """Step 0 on every rank: backward l1 (graph retained), a backward (or autograd.grad) that
+    dies at the LayerNorm's output, sc["then"], step(); steps 1-2: retained two backwards.
+    Oracle: plain torch over the backwards that completed, averaged over the ranks by
+    all_reduce. ZeRO-3 keeps what it reduced of the dying backward (as torch keeps what a dead
+    backward reached): a param that moved so must equal the oracle's step with the dead
+    backward's gradient, averaged over the ranks, added; the oracle then goes on from there."""
+    import copy
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import zero_lifetime
+    from harness import HIDDEN, MODELS, OUT, ds_config, full_weights, losses, make_backward_die_at, released_state
+
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    oracle = copy.deepcopy(model)
+    lr = LR["mlp_norm"]
+    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    zero = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
+    if sc["bucket"] == "one_weight":
+        zero["reduce_bucket_size"] = HIDDEN * OUT
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **zero),
+                                      model_parameters=model.parameters())
+    zero_lifetime.install(engine)
+
+    def die(model, backward):
+        x_dead = _shard("mlp_norm", 100, rank).requires_grad_(sc["dies"] == "autograd_grad")
+        hook = make_backward_die_at(model.ln)
+        try:
+            loss = losses(model(x_dead))[0]
+            torch.autograd.grad(loss, [x_dead]) if sc["dies"] == "autograd_grad" else backward(loss)
+        except ArithmeticError as exc:
+            return str(exc)
+        finally:
+            hook.remove()
+        return None
+
+    x, x_after = _shard("mlp_norm", 0, rank), _shard("mlp_norm", 101, rank)
+    e1, e2 = losses(engine(x))
+    engine.backward(e1, retain_graph=True)
+    raised = die(engine, engine.backward)
+    # What the dying pass gave each param in torch before it raised, averaged over the ranks.
+    reached_model = copy.deepcopy(oracle)
+    die(reached_model, torch.Tensor.backward)
+    reached = {n: p.grad for n, p in reached_model.named_parameters()}
+    for grad in reached.values():
+        if grad is not None:  # the same params on every rank: the graph is the same
+            dist.all_reduce(grad)
+            grad /= WORLD
+    r1, r2 = losses(oracle(x))
+    r1.backward(retain_graph=True)
+    if sc["then"] == "retained_loss":
+        engine.backward(e2)
+        r2.backward()
+    elif sc["then"] == "retained_loss_plain_backward":
+        e2.backward()
+        r2.backward()
+    elif sc["then"] == "new_forward":
+        engine.backward(losses(engine(x_after))[0])
+        losses(oracle(x_after))[0].backward()
+    else:
+        engine.zero_grad()
+        opt.zero_grad()
+    engine.step()
+    for p in oracle.parameters():
+        if p.grad is not None:  # none after zero_grad(): on every rank alike
+            dist.all_reduce(p.grad)
+            p.grad /= WORLD
+    opt.step()
+    opt.zero_grad()
+    del e1, e2, r1, r2
+    kept_dead, step0_bad = [], []
+    with torch.no_grad():
+        for (name, want), got in zip(oracle.named_parameters(), full_weights(engine)):
+            if torch.allclose(got, want, atol=ATOL, rtol=RTOL):
+                continue
+            if reached[name] is not None and torch.allclose(got, want - lr * reached[name], atol=ATOL, rtol=RTOL):
+                kept_dead.append(name)
+                want.copy_(got)
+            else:
+                step0_bad.append(name)
+    gathered_after_step0 = released_state(engine)[0] if sc["stage"] == 3 else []
+    steps = dict(kind="steps", model="mlp_norm", gas=1, zero_grad=False, path=sc["path"])
+    for step in (1, 2):
+        _engine_step(engine, steps, step, 2, rank)
+        _allreduce_step(oracle, opt, steps, step, 2, rank)
+    want = {n: p.detach() for n, p in oracle.named_parameters()}
+    abs_diff, excess = _compare(full_weights(engine), want)
+    gc.collect()
+    record = {"raised": raised, "kept_dead": kept_dead, "step0_bad": step0_bad,
+              "gathered_after_step0": gathered_after_step0, "abs_diff": abs_diff, "tol_excess": excess,
+              "stats": zero_lifetime.stats(engine)}
+    if sc["stage"] == 3:
+        record["gathered_at_end"] = released_state(engine)[0]
+    del engine
+    return record
+
+
 def _run_multitask(sc, rank):
     import multitask as mt
     import zero_lifetime
@@ -655,6 +773,8 @@ def _run_scenario(sc, rank):
         return _run_stale(sc, rank)
     if sc["kind"] == "autograd_grad":
         return _run_autograd_grad(sc, rank)
+    if sc["kind"] == "dead":
+        return _run_dead(sc, rank)
     return _run_training(sc, rank)
 
 
