@@ -183,10 +183,10 @@ def _build_scenarios():
     # same on each rank), after a retained one, then what the user does next: the ranks clean
     # up alike and train on like the oracle. With a bucket as small as one weight, DeepSpeed
     # reduces (a collective) inside the dying backward. "plain": a loss.backward() follows.
-    def dead(stage, then, offload=False, bucket="whole_model", dies="engine_backward"):
-        sid = f"dead-stage{stage}{'-offload' if offload else ''}-{bucket}-{dies}-{then}"
+    def dead(stage, then, offload=False, bucket="whole_model", dies="engine_backward", policy="regather"):
+        sid = f"dead-stage{stage}{'-offload' if offload else ''}-{policy}-{bucket}-{dies}-{then}"
         return dict(id=sid, kind="dead", stage=stage, offload=offload, then=then, bucket=bucket, dies=dies,
-                    path="manual" if then == "retained_loss_plain_backward" else "engine")
+                    policy=policy, path="manual" if then == "retained_loss_plain_backward" else "engine")
 
     for stage, offload in ((1, False), (2, False), (3, False), (2, True)):
         for then in ("retained_loss", "new_forward", "zero_grad"):
@@ -197,6 +197,8 @@ def _build_scenarios():
         out.append(dead(stage, "retained_loss_plain_backward"))
     out.append(dead(2, "new_forward", dies="autograd_grad"))
     out.append(dead(3, "retained_loss", dies="autograd_grad"))
+    out.append(dead(3, "retained_loss", policy="pin"))  # pinned params of both graphs: all let go
+    out.append(dead(3, "new_forward", bucket="one_weight", policy="pin"))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -587,7 +589,7 @@ def _run_dead(sc, rank):
         zero["reduce_bucket_size"] = HIDDEN * OUT
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **zero),
                                       model_parameters=model.parameters())
-    zero_lifetime.install(engine)
+    zero_lifetime.install(engine, policy=sc["policy"])
 
     def die(model, backward):
         x_dead = _shard("mlp_norm", 100, rank).requires_grad_(sc["dies"] == "autograd_grad")
