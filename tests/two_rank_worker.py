@@ -325,7 +325,6 @@ def _ddp_step(ddp, opt, sc, step, backwards, rank):
 
 
 def _allreduce_step(model, opt, sc, step, backwards, rank):
-    import torch.distributed as dist
     from harness import losses
     x = _shard(sc["model"], step, rank)
     if sc["kind"] == "penalty":
@@ -340,11 +339,17 @@ def _allreduce_step(model, opt, sc, step, backwards, rank):
         (l2 / sc["gas"]).backward()
     if not _at_boundary(sc, step):
         return  # .grad sums the window's micro-steps; reduced once, at its end
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= WORLD
+    _average_over_ranks([p.grad for p in model.parameters()])
     opt.step()
     opt.zero_grad()
+
+
+def _average_over_ranks(grads):
+    """Each gradient becomes its mean over the ranks, in place (what DeepSpeed reduces to)."""
+    import torch.distributed as dist
+    for grad in grads:
+        dist.all_reduce(grad)
+        grad /= WORLD
 
 
 def _compare(got, want):
@@ -469,7 +474,6 @@ def _run_stale(sc, rank):
 
     import deepspeed
     import torch
-    import torch.distributed as dist
     import zero_lifetime
     from harness import MODELS, ds_config, full_weights, losses
 
@@ -492,9 +496,7 @@ def _run_stale(sc, rank):
         raised["engine"] = str(exc)
     r1, r2 = losses(oracle(x))
     r1.backward(retain_graph=True)
-    for p in oracle.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= WORLD
+    _average_over_ranks([p.grad for p in oracle.parameters()])
     opt.step()
     opt.zero_grad()
     try:
@@ -526,7 +528,6 @@ def _run_autograd_grad(sc, rank):
 
     import deepspeed
     import torch
-    import torch.distributed as dist
     import zero_lifetime
     from harness import MODELS, ds_config, full_weights, grad_and_backward, released_state
 
@@ -548,9 +549,7 @@ def _run_autograd_grad(sc, rank):
         x_ref = _shard("mlp_norm", step, rank).requires_grad_(sc["wrt"] == "input")
         want = grad_and_backward(oracle, torch.Tensor.backward, oracle.l1.weight, x_ref, sc["wrt"])
         grad_diff.append((got - want).abs().max().item() if got.shape == want.shape else float("inf"))
-        for p in oracle.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= WORLD
+        _average_over_ranks([p.grad for p in oracle.parameters()])
         opt.step()
         opt.zero_grad()
     want = {n: p.detach() for n, p in oracle.named_parameters()}
@@ -575,7 +574,6 @@ def _run_dead(sc, rank):
 
     import deepspeed
     import torch
-    import torch.distributed as dist
     import zero_lifetime
     from harness import HIDDEN, MODELS, OUT, ds_config, full_weights, losses, make_backward_die_at, released_state
 
@@ -611,10 +609,8 @@ def _run_dead(sc, rank):
     reached_model = copy.deepcopy(oracle)
     die(reached_model, torch.Tensor.backward)
     reached = {n: p.grad for n, p in reached_model.named_parameters()}
-    for grad in reached.values():
-        if grad is not None:  # the same params on every rank: the graph is the same
-            dist.all_reduce(grad)
-            grad /= WORLD
+    # The same params got none on every rank: the graph is the same.
+    _average_over_ranks([grad for grad in reached.values() if grad is not None])
     r1, r2 = losses(oracle(x))
     r1.backward(retain_graph=True)
     if sc["then"] == "retained_loss":
@@ -630,10 +626,8 @@ def _run_dead(sc, rank):
         engine.zero_grad()
         opt.zero_grad()
     engine.step()
-    for p in oracle.parameters():
-        if p.grad is not None:  # none after zero_grad(): on every rank alike
-            dist.all_reduce(p.grad)
-            p.grad /= WORLD
+    # None after zero_grad(), on every rank alike.
+    _average_over_ranks([p.grad for p in oracle.parameters() if p.grad is not None])
     opt.step()
     opt.zero_grad()
     del e1, e2, r1, r2
