@@ -6,12 +6,21 @@ import os
 import socket
 
 MASTER_ADDR = "127.0.0.1"
+_ports_chosen = []  # every port free_port() handed out in this process
 
 
 def free_port() -> str:
     with socket.socket() as s:
         s.bind((MASTER_ADDR, 0))
-        return str(s.getsockname()[1])
+        port = str(s.getsockname()[1])
+    _ports_chosen.append(port)
+    return port
+
+
+def ports_chosen() -> list:
+    """The ports free_port() chose in this process, oldest first: the runs this process started
+    itself, whose /dev/shm buffers it removes (a caller can check that none is left)."""
+    return list(_ports_chosen)
 
 
 def shm_buffer_paths(port: str, addr: str = MASTER_ADDR) -> list:

@@ -79,6 +79,8 @@ def run(args) -> int:
     from .env import environment
     env = environment(args.device, args.ranks)
     all_results, all_targets = collect(args, env)
+    from ..single_rank import ports_chosen
+    env["own_master_ports"] = ports_chosen()  # its DeepSpeed runs, whose /dev/shm buffers it removed
     if args.json:
         write_json(args.json, env, all_results, all_targets)
         print(f"\nraw samples and environment: {args.json}")
