@@ -26,6 +26,12 @@ ZERO12_OFFLOAD_FINALIZER = "_finalize_cpu_offload_gradient_accumulation"
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
+def bucket_setup_method(optimizer) -> str:
+    """The ZeRO-1/2 method that allocates the IPG buckets and advances the micro step, once per
+    backward: ``setup_buckets`` (0.18.9, 0.19.8) or ``backward_prologue`` (0.17.6)."""
+    return "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
+
+
 def at_boundary(optimizer) -> bool:
     """Is the current micro-step the window's last? (ZeRO-1/2 and 3)"""
     # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
@@ -70,7 +76,7 @@ class GradWindowAdapter:
             from .offload_window_legacy import LegacyOffloadWindow
             self._legacy = LegacyOffloadWindow(optimizer, stage, self.at_boundary)
         # Stage 1/2 allocate their buckets and advance the micro step here, once per backward.
-        self._setup_buckets = "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
+        self._setup_buckets = bucket_setup_method(optimizer)
 
     def wrap_epilogue(self, around) -> InstancePatch:
         """``around(original, *args, **kwargs)`` runs in place of the epilogue (of whatever

@@ -53,6 +53,8 @@ class _Zero2Bucket:
 
     def __init__(self, n: int, numel: int, install: bool):
         import zero_lifetime
+        from ..adapters.errors import require
+        from ..adapters.grad_window import bucket_setup_method
         from .engines import ParamBlock, make_engine
 
         torch.manual_seed(0)
@@ -63,7 +65,8 @@ class _Zero2Bucket:
         opt = self.optimizer = self.engine.optimizer
         assert not opt.use_grad_accum_attribute, "expected gradients in param.grad (fp32 ZeRO-2)"
         self.group_params = [(i, p) for i, group in enumerate(opt.bit16_groups) for p in group]
-        opt.setup_buckets()  # the bucket buffers DeepSpeed allocates at the start of a backward
+        # The bucket buffers DeepSpeed allocates at the start of a backward.
+        require(opt, bucket_setup_method(opt), "the ZeRO-1/2 bucket setup")()
         self.grads, self.originals = [], []
         for k, (_, p) in enumerate(self.group_params):
             original = _values(p.numel(), 1000 + k, p.device).view_as(p)
