@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
 import os
 import warnings
@@ -66,7 +68,9 @@ def make_engine(model: torch.nn.Module, stage: int = 3, **zero):
         "zero_optimization": {"stage": stage,
                               **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}), **zero},
     }
-    engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
+    # 0.17.6 prints ZeRO-3's persistent-param statistics with print(), between the bench's tables.
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
     return engine
 
 
