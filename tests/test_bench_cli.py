@@ -137,6 +137,23 @@ def test_bad_arguments_exit_2_with_usage(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("installed, expected", [("0.16.9", "DeepSpeed 0.16.9 is not supported"),
+                                                  (None, "DeepSpeed is not installed")])
+def test_unsupported_deepspeed_is_a_clear_error_before_any_run(monkeypatch, capsys, installed, expected):
+    from importlib import metadata
+
+    def version(package):
+        if installed is None:
+            raise metadata.PackageNotFoundError(package)
+        return installed
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["release", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "0.17.6, 0.18.9, 0.19.8" in err, err
+
+
 def test_cuda_without_gpu_is_a_clear_error_not_a_traceback():
     import torch
     if torch.cuda.is_available():

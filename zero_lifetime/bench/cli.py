@@ -52,6 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def deepspeed_problem() -> Optional[str]:
+    """Why the benchmarks cannot run on the installed DeepSpeed, or None. Read from the package
+    metadata: importing deepspeed here would pick its accelerator before the bench sets it."""
+    from importlib import metadata
+    from ..adapters.errors import SUPPORTED_DEEPSPEED_VERSIONS
+    supported = ", ".join(SUPPORTED_DEEPSPEED_VERSIONS)
+    try:
+        version = metadata.version("deepspeed").split("+")[0]
+    except metadata.PackageNotFoundError:
+        return f"DeepSpeed is not installed; the benchmarks run its own code paths (supported: {supported})"
+    if version not in SUPPORTED_DEEPSPEED_VERSIONS:
+        return (f"DeepSpeed {version} is not supported: the stock baselines call its internal methods, "
+                f"checked on {supported} only")
+    return None
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -126,6 +142,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return compare.report(args.first, args.second, args.tolerance)
         except compare.BenchFileError as error:
             parser.exit(2, f"{parser.prog} compare: error: {error}\n")
+    problem = deepspeed_problem()
+    if problem:
+        parser.exit(2, f"{parser.prog} {args.command}: error: {problem}\n")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
