@@ -68,9 +68,15 @@ def make_engine(model: torch.nn.Module, stage: int = 3, **zero):
         "zero_optimization": {"stage": stage,
                               **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}), **zero},
     }
-    # 0.17.6 prints ZeRO-3's persistent-param statistics with print(), between the bench's tables.
-    with contextlib.redirect_stdout(io.StringIO()):
-        engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
+    # 0.17.6 prints ZeRO-3's persistent-param statistics with print(), between the bench's tables;
+    # what it printed is shown after all when initialize fails.
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
+    except BaseException:
+        print(printed.getvalue(), end="")
+        raise
     return engine
 
 
