@@ -193,10 +193,11 @@ def full_weights(engine):
     return [safe_get_full_fp32_param(p).detach().clone() for p in engine.module.parameters()]
 
 
-def assert_weights_match(engine, reference, atol=1e-5, rtol=1e-4):
+def assert_weights_match(engine, reference, atol=1e-5, rtol=1e-4, equal_nan=False):
     for (name, _), got, (_, want) in zip(engine.module.named_parameters(), full_weights(engine),
                                          reference.named_parameters()):
-        torch.testing.assert_close(got, want.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want.detach(), atol=atol, rtol=rtol, equal_nan=equal_nan,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def released_state(engine):
