@@ -14,12 +14,14 @@ from lifetime_programs import run_program
 
 SEEDS = range(int(os.environ.get("ZL_LIFETIME_PROGRAMS", "10")))
 LENGTH = 40  # operations per program
+EVERY_STAGE_AND_POLICY = pytest.mark.parametrize(
+    "stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")],
+    ids=["stage1", "stage2", "stage3-regather", "stage3-pin"])
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-@pytest.mark.parametrize("stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")],
-                         ids=["stage1", "stage2", "stage3-regather", "stage3-pin"])
+@EVERY_STAGE_AND_POLICY
 def test_random_program_matches_torch(stage, policy, model_name, seed):
     runner = run_program(model_name, stage, policy, seed, LENGTH)
     assert runner.forwards > 0 and runner.operations == LENGTH
@@ -40,8 +42,7 @@ def test_programs_that_found_bugs(model_name, stage, policy, seed):
 # gradients) and 3001 (NaN gradients) make DeepSpeed skip a step whose gradient norm is not
 # finite in float32, which torch applies (the reference skips it too, and only then).
 @pytest.mark.parametrize("seed", [1262, 2096, 2238, 3001])
-@pytest.mark.parametrize("stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")],
-                         ids=["stage1", "stage2", "stage3-regather", "stage3-pin"])
+@EVERY_STAGE_AND_POLICY
 def test_programs_whose_training_runs_away(stage, policy, seed):
     runner = run_program("tied_lm", stage, policy, seed, LENGTH)
     assert runner.operations == LENGTH
