@@ -76,7 +76,7 @@ class Installation:
         self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
         self.tracker = None
-        self.grad_guard = self.lifetime = self.fused = None
+        self.grad_guard = self.lifetime = self.fused = self.trace = None
         self.accumulation = self.bucket_fill = self.window = None
         try:
             self.backward = make_engine_backward(engine)
@@ -92,11 +92,13 @@ class Installation:
 
         self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
         if self.stage == 3:
+            from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
             from .zero3_fused import Zero3FusedCopies
             from .zero3_lifetime import Zero3Lifetime
             self.tracker = make_tracker(policy, max_pinned_bytes)
             self.fused = Zero3FusedCopies(engine)
             self.lifetime = Zero3Lifetime(engine, self.tracker)
+            self.trace = ReleaseDecisionsFollowTrace(engine)
         else:
             from .adapters.zero12_flat_buffers import detach_flat_buffers
             from .grad_accumulation import Zero12Accumulation
@@ -143,6 +145,8 @@ class Installation:
             self.accumulation.restore()
         if self.fused is not None:  # fills pending gradients before the stock methods return
             self.fused.uninstall()
+        if self.trace is not None:
+            self.trace.remove()
         if self.lifetime is not None:
             self.lifetime.release_everything_held()
             self.lifetime.remove_hooks()
@@ -439,6 +443,7 @@ class Installation:
             result.update(self.tracker.stats())
             result["regathers"] += self.lifetime.accumulate_regathers
             result.update(self.lifetime.counts())
+            result["traces_recorded"] = self.trace.traces_recorded
         return result
 
 
