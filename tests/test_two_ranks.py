@@ -38,6 +38,7 @@ DEAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead"]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
 ORDER_GAS = [sc for sc in BUCKET_ORDER if "gas" in sc]
 ORDER_UNCHECKED = [sc for sc in BUCKET_ORDER if not sc["check"]]
+TRACE_CHANGES = [sc for sc in TRAINING if sc["id"].startswith("trace-changes-")]
 CHECKPOINTED12 = [sc for sc in RETAINED if sc["model"].startswith("ckpt_") and sc["stage"] in (1, 2)]
 
 
@@ -84,6 +85,15 @@ def test_bucket_order_check_once_per_backward_under_checkpointing(results, sc):
     test_retained_backwards_match_ddp's)."""
     for rank, record in enumerate(results.records(sc["id"])):
         assert record["stats"]["bucket_order_checks"] == sum(sc["schedule"]), f"rank {rank}: {record['stats']}"
+
+
+@pytest.mark.parametrize("sc", TRACE_CHANGES, ids=_ids(TRACE_CHANGES))
+def test_release_decisions_follow_a_rerecorded_trace_on_both_ranks(results, sc):
+    """The first step's trace (one backward), then the one recorded at step 2 (two): each
+    trace's cached release decisions were dropped as it completed, on both ranks (the weights
+    against DDP are test_retained_backwards_match_ddp's)."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert record["stats"]["traces_recorded"] == 2, f"rank {rank}: {record['stats']}"
 
 
 @pytest.mark.parametrize("sc", STAGE3, ids=_ids(STAGE3))

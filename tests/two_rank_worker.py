@@ -129,6 +129,12 @@ def _build_scenarios():
         for policy in ("regather", "pin"):
             out.append(_scenario(f"alternating-stage3-{model}-{policy}", "steps", 3, "manual", False, policy, model,
                                  schedule=[2, 1, 2]))
+    # A first step with one backward, then two every step: DeepSpeed re-records its trace at
+    # step 2 and its release decisions must follow the new trace on both ranks alike.
+    for model in ("mlp_norm", "tied_lm"):
+        for policy in ("regather", "pin"):
+            out.append(_scenario(f"trace-changes-stage3-{model}-{policy}", "steps", 3, "engine", False, policy, model,
+                                 schedule=[1, 2, 2, 2]))
     # The multi-task loop of the gradient-bucket report: one backward per task (GAS =
     # tasks) and one summed backward, with and without CPU optimizer offload; and heads
     # left without a gradient in a step (sampled tasks, zero_grad() between two backwards
