@@ -74,10 +74,13 @@ class Program:
     policy: Optional[str]
     seed: int
     length: int
+    # ZeRO-3 windows: "eager" (no reuse distance, no prefetch) or DeepSpeed's "default" ones.
+    windows: str = "eager"
     log: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        head = f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed}"
+        head = (f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed} "
+                f"windows={self.windows}")
         return head + "\n  " + "\n  ".join(self.log[-40:])
 
 
@@ -85,10 +88,12 @@ class ProgramRunner:
     def __init__(self, program: Program):
         self.p = program
         self.rng = random.Random(program.seed)
-        # No reuse distance, no prefetch: ZeRO-3 releases each module's params when it is
-        # done with them, so whatever stays gathered is the lifetime's doing. (With a reuse
-        # distance DeepSpeed keeps params its recorded trace expects to be used again soon.)
-        zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0) if program.stage == 3 else {}
+        # Eager windows (no reuse distance, no prefetch): ZeRO-3 releases each module's params
+        # when it is done with them, so whatever stays gathered is the lifetime's doing. With
+        # DeepSpeed's default windows it keeps what its recorded trace expects to use again
+        # soon: the trace and its release decisions then decide, and only they are checked.
+        eager = program.stage == 3 and program.windows == "eager"
+        zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0) if eager else {}
         self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
                                                               seed=program.seed, **zero)
         zero_lifetime.install(self.engine, policy=program.policy)
@@ -246,6 +251,8 @@ class ProgramRunner:
         assert inconsistent == [], f"released with memory attached: {inconsistent}"
         if gathered:
             self.p.log[-1] += f"  [gathered: {' '.join(gathered)}]"
+        if self.p.windows != "eager":
+            return
         if self.p.policy == "regather":
             assert gathered == [], f"still gathered under regather: {gathered}"
         elif not self.graphs:
@@ -279,8 +286,9 @@ class ProgramRunner:
         return self
 
 
-def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int) -> ProgramRunner:
-    program = Program(model_name, stage, policy, seed, length)
+def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int,
+                windows: str = "eager") -> ProgramRunner:
+    program = Program(model_name, stage, policy, seed, length, windows)
     try:
         return ProgramRunner(program).run()
     except Exception as error:

@@ -27,6 +27,19 @@ def test_random_program_matches_torch(stage, policy, model_name, seed):
     assert runner.forwards > 0 and runner.operations == LENGTH
 
 
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_random_program_with_deepspeeds_default_windows(policy, model_name, seed):
+    """ZeRO-3 with DeepSpeed's default reuse distance and prefetch: its recorded trace decides
+    what stays gathered, and the programs' mix of one and two passes per forward makes it
+    re-record the trace (1-6 times a program), each time with fresh release decisions
+    (adapters/zero3_trace.py). Everything still matches torch; what stays gathered is not
+    checked (DeepSpeed keeps what its trace expects to reuse)."""
+    runner = run_program(model_name, 3, policy, seed, LENGTH, windows="default")
+    assert runner.forwards > 0 and runner.operations == LENGTH
+
 # Programs that found bugs, kept whatever ZL_LIFETIME_PROGRAMS is: stage 3, seed 23 lost a
 # completed backward's gradients when the cleanup after a dead torch.autograd.grad (a graph
 # saved before a step()) dropped them as for a dead training backward.
