@@ -80,6 +80,19 @@ def test_unknown_deepspeed_internals_fail_clearly(monkeypatch):
     assert_install_refused(engine, "Supported DeepSpeed versions: 0.17.6, 0.18.9, 0.19.8")
 
 
+
+def test_release_decisions_no_longer_cached_fail_clearly(monkeypatch):
+    """adapters/zero3_trace clears DeepSpeed's lru_cache of release decisions: a DeepSpeed
+    whose decisions are no longer cached that way is refused, leaving no hook behind."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    monkeypatch.setattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release",
+                        lambda self, submodule, step_id: set())
+    engine, *_ = make_pair("mlp_norm", 3)
+    pre_hooks = dict(engine.module._forward_pre_hooks)
+    message = assert_install_refused(engine, "no longer an lru_cache")
+    assert "Supported DeepSpeed versions" in message
+    assert dict(engine.module._forward_pre_hooks) == pre_hooks
+
 def test_unknown_deepspeed_version_fails_clearly(monkeypatch):
     import deepspeed
     engine, *_ = make_pair("mlp_norm", 2)

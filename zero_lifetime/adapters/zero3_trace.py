@@ -13,7 +13,7 @@ makes its decisions those of that trace.
 
 import torch
 
-from .errors import UnsupportedDeepSpeedError, deepspeed_version, require
+from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError, deepspeed_version, require
 
 _PARAMS_TO_RELEASE = "_PartitionedParameterCoordinator__params_to_release"
 
@@ -28,7 +28,9 @@ def _release_decision_cache(coordinator_type):
             return candidate
     raise UnsupportedDeepSpeedError(
         f"zero_lifetime does not recognise DeepSpeed {deepspeed_version()}: the coordinator's "
-        f"`{_PARAMS_TO_RELEASE}` is no longer an lru_cache.")
+        f"`{_PARAMS_TO_RELEASE}` is no longer an lru_cache. Supported DeepSpeed versions: "
+        f"{', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}. Pass strict=False to install() to continue without "
+        f"zero_lifetime (a warning, and nothing is patched).")
 
 
 class ReleaseDecisionsFollowTrace:
