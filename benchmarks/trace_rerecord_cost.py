@@ -24,18 +24,14 @@ def _work(spec):
     import zero_lifetime
     from zero_lifetime.adapters.zero3_trace import ReleaseDecisionsFollowTrace
     from zero_lifetime.bench.engines import TinyTransformer, make_engine, quiet_deepspeed
+    from zero_lifetime.bench.step import count_param_fetches
     quiet_deepspeed()
     if not spec["clear"]:
         ReleaseDecisionsFollowTrace._before_forward = lambda self, module, inputs: None
     torch.manual_seed(0)
     engine = make_engine(TinyTransformer(4, 256), 3)
     zero_lifetime.install(engine)
-    fetched = [0]
-    for param in engine.module.parameters():
-        def counted(params, *args, _gather=param.all_gather_coalesced, **kwargs):
-            fetched[0] += len(params)
-            return _gather(params, *args, **kwargs)
-        param.all_gather_coalesced = counted
+    fetched = count_param_fetches(engine)
     tokens = torch.randint(0, 512, (8, 64))
     times, fetches = [], []
     for step in range(3 + spec["steps"]):

@@ -9,20 +9,10 @@ import pytest
 import zero_lifetime
 from harness import (assert_weights_match, backward_both, losses, make_input, make_pair, reference_step_both,
                      released_state)
+from zero_lifetime.bench.step import count_param_fetches
 
 # tied_lm's second loss is unbounded: at the harness's lr 0.1 its weights run away within 6 steps.
 SMALL_STEPS = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
-
-
-def _count_fetches(engine):
-    """Params fetched (all-gathered) so far: one per param in each of DeepSpeed's gathers."""
-    fetched = [0]
-    for param in engine.module.parameters():
-        def counted(params, *args, _gather=param.all_gather_coalesced, **kwargs):
-            fetched[0] += len(params)
-            return _gather(params, *args, **kwargs)
-        param.all_gather_coalesced = counted
-    return fetched
 
 
 def _fetches_per_step(model_name, schedule, policy):
@@ -30,7 +20,7 @@ def _fetches_per_step(model_name, schedule, policy):
     weights match torch's after every step."""
     engine, reference, ref_opt = make_pair(model_name, 3, config=SMALL_STEPS)
     zero_lifetime.install(engine, policy=policy)
-    fetched = _count_fetches(engine)
+    fetched = count_param_fetches(engine)
     per_step = []
     for step, passes in enumerate(schedule):
         x = make_input(model_name, step)

@@ -35,13 +35,17 @@ def unsupported_feature(feature: str, why: str):
         f"Supported DeepSpeed versions: {', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}.")
 
 
+def unrecognised(what: str) -> UnsupportedDeepSpeedError:
+    """A version error for an internal of the installed DeepSpeed that is not as expected."""
+    return UnsupportedDeepSpeedError(
+        f"zero_lifetime does not recognise DeepSpeed {deepspeed_version()}: {what}. Supported DeepSpeed "
+        f"versions: {', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}. Pass strict=False to install() to "
+        f"continue without zero_lifetime (a warning, and nothing is patched).")
+
+
 def require(obj, name: str, what: str):
     """Return ``getattr(obj, name)`` or raise a version error that says what is missing."""
     try:
         return getattr(obj, name)
     except AttributeError:
-        raise UnsupportedDeepSpeedError(
-            f"zero_lifetime does not recognise DeepSpeed {deepspeed_version()}: {what} "
-            f"(`{type(obj).__name__}.{name}`) is missing. Supported DeepSpeed versions: "
-            f"{', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}. Pass strict=False to install() to "
-            f"continue without zero_lifetime (a warning, and nothing is patched).") from None
+        raise unrecognised(f"{what} (`{type(obj).__name__}.{name}`) is missing") from None

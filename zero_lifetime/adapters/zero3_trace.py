@@ -13,7 +13,7 @@ makes its decisions those of that trace.
 
 import torch
 
-from .errors import SUPPORTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedError, deepspeed_version, require
+from .errors import require, unrecognised
 
 _PARAMS_TO_RELEASE = "_PartitionedParameterCoordinator__params_to_release"
 
@@ -26,11 +26,7 @@ def _release_decision_cache(coordinator_type):
     for candidate in (method, *(cell.cell_contents for cell in cells)):
         if callable(getattr(candidate, "cache_clear", None)):
             return candidate
-    raise UnsupportedDeepSpeedError(
-        f"zero_lifetime does not recognise DeepSpeed {deepspeed_version()}: the coordinator's "
-        f"`{_PARAMS_TO_RELEASE}` is no longer an lru_cache. Supported DeepSpeed versions: "
-        f"{', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}. Pass strict=False to install() to continue without "
-        f"zero_lifetime (a warning, and nothing is patched).")
+    raise unrecognised(f"the coordinator's `{_PARAMS_TO_RELEASE}` is no longer an lru_cache")
 
 
 class ReleaseDecisionsFollowTrace:

@@ -36,6 +36,18 @@ def gathered_bytes(engine) -> int:
                if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False))
 
 
+
+def count_param_fetches(engine) -> list:
+    """A one-element list counting the params DeepSpeed all-gathers from now on (each param
+    of each ``all_gather_coalesced``), by wrapping every param's own method."""
+    fetched = [0]
+    for param in engine.module.parameters():
+        def counted(params, *args, _gather=param.all_gather_coalesced, **kwargs):
+            fetched[0] += len(params)
+            return _gather(params, *args, **kwargs)
+        param.all_gather_coalesced = counted
+    return fetched
+
 class PeakGathered:
     """Peak of :func:`gathered_bytes`, sampled at every module forward and grad accumulation."""
 
