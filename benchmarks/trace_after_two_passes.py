@@ -10,35 +10,19 @@ gradient) and what stays gathered from the end of the backward until step(), sto
 backwards only) next to installed (two backwards in the first two steps, then single ones).
 """
 
-import contextlib
-import copy
-import io
-
 import torch
 
-from zero_lifetime.bench.engines import TinyTransformer, prepare_process, quiet_deepspeed
+from zero_lifetime.bench.engines import TinyTransformer, make_engine, prepare_process, quiet_deepspeed
 
 MiB = 2 ** 20
-
-
-def make_engine(model, gas, window):
-    import deepspeed
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    if window:
-        zero.update(stage3_max_reuse_distance=window, stage3_prefetch_bucket_size=window,
-                    stage3_max_live_parameters=window)
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
-           "gradient_clipping": 0.0, "zero_optimization": zero}
-    with contextlib.redirect_stdout(io.StringIO()):
-        engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=cfg)
-    return engine
 
 
 def run(model, tokens, installed, schedule, gas, window):
     import zero_lifetime
     from zero_lifetime.bench.step import PeakGathered, gathered_bytes
-    engine = make_engine(model, gas, window)
+    windows = {} if window is None else dict(stage3_max_reuse_distance=window, stage3_prefetch_bucket_size=window,
+                                             stage3_max_live_parameters=window)
+    engine = make_engine(model, 3, gas, **windows)
     if installed:
         zero_lifetime.install(engine)
     probe = PeakGathered(engine)

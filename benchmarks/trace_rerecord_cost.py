@@ -24,7 +24,7 @@ def _work(spec):
     import zero_lifetime
     from zero_lifetime.adapters.zero3_trace import ReleaseDecisionsFollowTrace
     from zero_lifetime.bench.engines import TinyTransformer, make_engine, quiet_deepspeed
-    from zero_lifetime.bench.step import count_param_fetches
+    from zero_lifetime.bench.step import count_param_fetches, retained_step, single_backward_step
     quiet_deepspeed()
     if not spec["clear"]:
         ReleaseDecisionsFollowTrace._before_forward = lambda self, module, inputs: None
@@ -36,13 +36,7 @@ def _work(spec):
     times, fetches = [], []
     for step in range(3 + spec["steps"]):
         before, start = fetched[0], time.perf_counter()
-        logits = engine(tokens)
-        if step == 0:
-            engine.backward(logits.pow(2).mean())
-        else:
-            engine.backward(logits.pow(2).mean(), retain_graph=True)
-            engine.backward(logits.mean())
-        engine.step()
+        (single_backward_step if step == 0 else retained_step)(engine, tokens)
         if step >= 3:  # step 1 invalidates the first trace, step 2 records the new one
             times.append(time.perf_counter() - start)
             fetches.append(fetched[0] - before)

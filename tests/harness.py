@@ -251,6 +251,21 @@ def backward_both(engine, l1, l2, path: str, zero_grad: bool):
         engine.scale(l2).backward()
 
 
+def train_step(engine, reference, ref_opt, model_name: str, step: int, backwards: int, path: str, zero_grad: bool):
+    """One training step on the engine and on the torch reference, on step's input: one
+    backward of the first loss, or (backwards == 2) both losses' through the retained graph."""
+    x = make_input(model_name, seed=step)
+    if backwards == 1:
+        loss = losses(engine(x))[0]
+        engine.backward(loss) if path == "engine" else loss.backward()
+        losses(reference(x))[0].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    else:
+        two_backwards(engine, engine(x), path, zero_grad)
+        reference_two_backwards(reference, ref_opt, x, zero_grad)
+    engine.step()
+
 def reference_two_backwards(reference, ref_opt, x, zero_grad: bool):
     reference_step_both(ref_opt, *losses(reference(x)), zero_grad)
 

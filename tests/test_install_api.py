@@ -80,7 +80,6 @@ def test_unknown_deepspeed_internals_fail_clearly(monkeypatch):
     assert_install_refused(engine, "Supported DeepSpeed versions: 0.17.6, 0.18.9, 0.19.8")
 
 
-
 def test_release_decisions_no_longer_cached_fail_clearly(monkeypatch):
     """adapters/zero3_trace clears DeepSpeed's lru_cache of release decisions: a DeepSpeed
     whose decisions are no longer cached that way is refused, leaving no hook behind."""
@@ -92,6 +91,7 @@ def test_release_decisions_no_longer_cached_fail_clearly(monkeypatch):
     message = assert_install_refused(engine, "no longer an lru_cache")
     assert "Supported DeepSpeed versions" in message
     assert dict(engine.module._forward_pre_hooks) == pre_hooks
+
 
 def test_unknown_deepspeed_version_fails_clearly(monkeypatch):
     import deepspeed

@@ -27,7 +27,6 @@ def test_random_program_matches_torch(stage, policy, model_name, seed):
     assert runner.forwards > 0 and runner.operations == LENGTH
 
 
-
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("policy", ["regather", "pin"])
@@ -39,6 +38,7 @@ def test_random_program_with_deepspeeds_default_windows(policy, model_name, seed
     checked (DeepSpeed keeps what its trace expects to reuse)."""
     runner = run_program(model_name, 3, policy, seed, LENGTH, windows="default")
     assert runner.forwards > 0 and runner.operations == LENGTH
+
 
 # Programs that found bugs, kept whatever ZL_LIFETIME_PROGRAMS is: stage 3, seed 23 lost a
 # completed backward's gradients when the cleanup after a dead torch.autograd.grad (a graph

@@ -11,7 +11,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config,
                      full_weights, gathered_bytes, grad_and_backward, losses, make_input, make_pair,
-                     params_saved_by_forward, reference_two_backwards, released_state, two_backwards)
+                     params_saved_by_forward, reference_two_backwards, released_state, train_step, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.bench.step import PeakGathered
 
@@ -26,18 +26,7 @@ def _backward(engine, loss):
 def _run_steps(engine, reference, ref_opt, model_name, schedule, path, zero_grad):
     """schedule: per step, 1 (single backward) or 2 (retained two-loss backward)."""
     for step, backwards in enumerate(schedule):
-        x = make_input(model_name, seed=step)
-        if backwards == 1:
-            out = engine(x)
-            loss = losses(out)[0]
-            engine.backward(loss) if path == "engine" else loss.backward()
-            losses(reference(x))[0].backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        else:
-            two_backwards(engine, engine(x), path, zero_grad)
-            reference_two_backwards(reference, ref_opt, x, zero_grad)
-        engine.step()
+        train_step(engine, reference, ref_opt, model_name, step, backwards, path, zero_grad)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -325,7 +314,6 @@ def test_regather_keeps_stock_memory_and_pin_keeps_params():
     assert stats["pinned_params"] == 0 and stats["peak_pinned_bytes"] == total
     assert released_state(pin) == ([], [])
     del out, stock_out
-
 
 
 def _gathered_per_step(engine, schedule):

@@ -7,8 +7,7 @@ plain torch."""
 import pytest
 
 import zero_lifetime
-from harness import (assert_weights_match, backward_both, losses, make_input, make_pair, reference_step_both,
-                     released_state)
+from harness import assert_weights_match, make_pair, released_state, train_step
 from zero_lifetime.bench.step import count_param_fetches
 
 # tied_lm's second loss is unbounded: at the harness's lr 0.1 its weights run away within 6 steps.
@@ -23,19 +22,8 @@ def _fetches_per_step(model_name, schedule, policy):
     fetched = count_param_fetches(engine)
     per_step = []
     for step, passes in enumerate(schedule):
-        x = make_input(model_name, step)
         before = fetched[0]
-        first, second = losses(engine(x))
-        ref_first, ref_second = losses(reference(x))
-        if passes == 2:
-            backward_both(engine, first, second, "engine", zero_grad=False)
-            reference_step_both(ref_opt, ref_first, ref_second, zero_grad=False)
-        else:
-            engine.backward(first)
-            ref_first.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        engine.step()
+        train_step(engine, reference, ref_opt, model_name, step, passes, "engine", zero_grad=False)
         per_step.append(fetched[0] - before)
         assert_weights_match(engine, reference)
     assert released_state(engine) == ([], [])

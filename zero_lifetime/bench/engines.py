@@ -57,11 +57,13 @@ class TinyTransformer(torch.nn.Module):
         return self.head(h)
 
 
-def make_engine(model: torch.nn.Module, stage: int = 3, **zero):
-    """A fresh engine on a copy of ``model``: stock and installed engines start from the same weights."""
+def make_engine(model: torch.nn.Module, stage: int = 3, gas: int = 1, **zero):
+    """A fresh engine on a copy of ``model``: stock and installed engines start from the same
+    weights. ``gas``: gradient accumulation steps; ``zero``: zero_optimization settings."""
     import deepspeed
     cfg = {
         "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,

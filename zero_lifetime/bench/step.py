@@ -36,7 +36,6 @@ def gathered_bytes(engine) -> int:
                if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False))
 
 
-
 def count_param_fetches(engine) -> list:
     """A one-element list counting the params DeepSpeed all-gathers from now on (each param
     of each ``all_gather_coalesced``), by wrapping every param's own method."""
@@ -47,6 +46,7 @@ def count_param_fetches(engine) -> list:
             return _gather(params, *args, **kwargs)
         param.all_gather_coalesced = counted
     return fetched
+
 
 class PeakGathered:
     """Peak of :func:`gathered_bytes`, sampled at every module forward and grad accumulation."""
