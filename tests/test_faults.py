@@ -4,6 +4,7 @@ gathered param may survive, nothing hangs, and the next step is correct."""
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -106,7 +107,6 @@ def test_teardown_with_a_retained_graph_alive(teardown):
         ref_opt.zero_grad()
         _plain_step(engine, reference, ref_opt, 0)
         assert_weights_match(engine, reference)
-
 
 
 DEAD_BACKWARD_ENGINES = {
@@ -344,3 +344,41 @@ def test_step_without_backward_fails_clearly_and_training_goes_on(stage, before)
     _plain_step(engine, reference, ref_opt, seed=1)
     assert_weights_match(engine, reference)
 
+
+
+def _trained_then_destroyed(stage: int, installed: bool, policy: str):
+    """A ZeRO engine after a training step and destroy(): weak references to its model and
+    (installed) to the installation, with the engine itself dropped. Installed, the step is a
+    retained two-backward one; stock (which cannot do that on ZeRO-3), one backward of both."""
+    engine, reference, _ = make_pair("mlp_norm", stage)
+    installation = zero_lifetime.install(engine, policy=policy) if installed else None
+    out = engine(make_input("mlp_norm", 2))
+    l1, l2 = losses(out)
+    if installed:
+        engine.backward(l1, retain_graph=True)
+        engine.backward(l2)
+    else:
+        engine.backward(l1 + l2)
+    engine.step()
+    model = weakref.ref(engine.module)
+    installed_ref = weakref.ref(installation) if installed else None
+    engine.destroy()
+    del engine, reference, installation, out, l1, l2
+    gc.collect()
+    return model, installed_ref
+
+
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nothing_of_ours_outlives_destroy(stage, policy):
+    """Users who build engine after engine in one process (a hyperparameter search) must not
+    keep the old ones: a reference cycle through the compiled core (invisible to gc) or a
+    global hook would leak each installation and what it reaches. ZeRO-1/2 free the model as
+    stock does. Stock ZeRO-3 keeps a destroyed engine's model itself (DeepSpeed's module stack
+    and its release-decision cache), so there only the installation is checked."""
+    stock_model, _ = _trained_then_destroyed(stage, installed=False, policy=policy)
+    model, installation = _trained_then_destroyed(stage, installed=True, policy=policy)
+    assert installation() is None, "the installation outlived engine.destroy()"
+    assert (model() is None) == (stock_model() is None)
+    if stage < 3:
+        assert model() is None, "the model of a destroyed ZeRO-%d engine is still alive" % stage
