@@ -266,6 +266,7 @@ def train_step(engine, reference, ref_opt, model_name: str, step: int, backwards
         reference_two_backwards(reference, ref_opt, x, zero_grad)
     engine.step()
 
+
 def reference_two_backwards(reference, ref_opt, x, zero_grad: bool):
     reference_step_both(ref_opt, *losses(reference(x)), zero_grad)
 

@@ -93,6 +93,18 @@ def test_release_decisions_no_longer_cached_fail_clearly(monkeypatch):
     assert dict(engine.module._forward_pre_hooks) == pre_hooks
 
 
+def test_module_stack_no_longer_a_list_fails_clearly(monkeypatch):
+    """adapters/zero3_teardown drops a destroyed engine from DeepSpeed's FWD_MODULE_STACK: a
+    DeepSpeed without that list is refused at install, leaving no hook behind."""
+    from deepspeed.runtime.zero import parameter_offload
+    engine, *_ = make_pair("mlp_norm", 3)
+    monkeypatch.delattr(parameter_offload, "FWD_MODULE_STACK")
+    pre_hooks = dict(engine.module._forward_pre_hooks)
+    message = assert_install_refused(engine, "forward module stack")
+    assert "Supported DeepSpeed versions" in message
+    assert dict(engine.module._forward_pre_hooks) == pre_hooks
+
+
 def test_unknown_deepspeed_version_fails_clearly(monkeypatch):
     import deepspeed
     engine, *_ = make_pair("mlp_norm", 2)

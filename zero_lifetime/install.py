@@ -76,7 +76,7 @@ class Installation:
         self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
         self.tracker = None
-        self.grad_guard = self.lifetime = self.fused = self.trace = None
+        self.grad_guard = self.lifetime = self.fused = self.trace = self.teardown = None
         self.accumulation = self.bucket_fill = self.window = None
         try:
             self.backward = make_engine_backward(engine)
@@ -92,6 +92,7 @@ class Installation:
 
         self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
         if self.stage == 3:
+            from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
             from .zero3_fused import Zero3FusedCopies
             from .zero3_lifetime import Zero3Lifetime
@@ -99,6 +100,7 @@ class Installation:
             self.fused = Zero3FusedCopies(engine)
             self.lifetime = Zero3Lifetime(engine, self.tracker)
             self.trace = ReleaseDecisionsFollowTrace(engine)
+            self.teardown = DestroyedEngineRelease(engine)
         else:
             from .adapters.zero12_flat_buffers import detach_flat_buffers
             from .grad_accumulation import Zero12Accumulation
@@ -254,8 +256,13 @@ class Installation:
 
         def destroy(*args, **kwargs):
             # Release what we hold and unpatch before DeepSpeed tears its optimizer down.
-            uninstall(self.engine)
-            return original(*args, **kwargs)
+            engine, teardown = self.engine, self.teardown
+            uninstall(engine)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if teardown is not None:  # ZeRO-3: what stock keeps of the engine after this
+                    teardown.release(engine.module)
 
         return destroy
 

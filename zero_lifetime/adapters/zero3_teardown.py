@@ -1,0 +1,33 @@
+"""ZeRO-3 engine teardown: what stock DeepSpeed keeps of an engine after ``destroy()``.
+
+Two module-level holders keep a destroyed ZeRO-3 engine's model, and with it every param's
+partition, alive for the rest of the process (0.17.6 to 0.19.8): ``FWD_MODULE_STACK`` in
+``parameter_offload``, to which each engine's root module is pushed at setup and never
+popped, and the coordinator's release-decision ``lru_cache`` (``maxsize=None``), whose keys
+hold the coordinator and the model's submodules. Users who build engine after engine in one
+process (a hyperparameter search, a reference model rebuilt per phase) lose that memory per
+engine. After an installed engine's ``destroy()`` both let go of it.
+"""
+
+from .errors import require, unrecognised
+from .zero3_trace import release_decision_cache
+
+
+class DestroyedEngineRelease:
+    """Probed at install; ``release(module)`` after DeepSpeed's own ``destroy()``."""
+
+    def __init__(self, engine):
+        from deepspeed.runtime.zero import parameter_offload
+        self._module_stack = require(parameter_offload, "FWD_MODULE_STACK", "ZeRO-3's forward module stack")
+        if not isinstance(self._module_stack, list):
+            raise unrecognised("ZeRO-3's forward module stack (`parameter_offload.FWD_MODULE_STACK`) is no "
+                               "longer a list")
+        offload = require(engine.optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
+        coordinator = require(offload, "get_param_coordinator", "the param coordinator accessor")()
+        self._decisions = release_decision_cache(type(coordinator))
+
+    def release(self, root_module) -> None:
+        # In place: DeepSpeed's functions read the list through their module's global.
+        self._module_stack[:] = [module for module in self._module_stack if module is not root_module]
+        # Class-wide: the other engines' coordinators recompute theirs, from their own traces.
+        self._decisions.cache_clear()
