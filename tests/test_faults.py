@@ -94,6 +94,8 @@ def test_teardown_with_a_retained_graph_alive(teardown):
     else:
         engine.destroy()
         assert "destroy" not in engine.__dict__  # uninstalled on the way
+        with pytest.raises(RuntimeError, match="this engine was destroyed"):
+            zero_lifetime.install(engine)  # not a half-working engine
     _assert_nothing_held(engine)  # pins released at once, with the graph still alive
     del out, l1, l2
     gc.collect()

@@ -4,7 +4,9 @@ one forward (retain_graph) fails on stock ZeRO-3; with the callback it trains ex
 the same Trainer backwarding the summed loss once on stock DeepSpeed (torch semantics: two
 backwards without zero_grad sum their gradients)."""
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -118,6 +120,37 @@ def test_stock_trainer_fails_on_the_second_backward(tmp_path):
     # The released (empty) params reach the second backward; the op that notices names it.
     with pytest.raises(RuntimeError, match=r"size of tensor a \(0\)|weight of shape \[0\]"):
         trainer.train()
+
+
+def _train_twice_with_model_init(trainer, install: bool):
+    """Two train() calls of a Trainer with model_init (a hyperparameter search runs one per
+    trial): each builds a new model and engine, and accelerate destroys the previous engine
+    first. Returns a weak reference to the first run's model, after the second run."""
+    trainer.model_init = lambda trial=None: _model()
+    if install:
+        add_to_trainer(trainer)
+    trainer.train()
+    first = weakref.ref(trainer.model)
+    trainer.train()
+    assert trainer.model is not first()
+    gc.collect()
+    return first
+
+
+def test_model_init_trainer_frees_each_destroyed_engine(tmp_path):
+    """Stock ZeRO-3 keeps the destroyed engine's model alive for the rest of the process
+    (DeepSpeed's module stack; adapters/zero3_teardown); installed, it is freed. The second
+    run, installed on the second engine, trains like the summed-loss oracle."""
+    oracle = _trainer(_model(), tmp_path / "oracle")
+    oracle.__class__ = SummedLossTrainer
+    stock_first = _train_twice_with_model_init(oracle, install=False)
+    trainer = _trainer(_model(), tmp_path / "two")
+    first = _train_twice_with_model_init(trainer, install=True)
+    assert first() is None, "the first run's model outlived its destroyed engine"
+    assert stock_first() is not None  # as documented; if DeepSpeed frees it, the docs and this line go
+    want, got = _weights(oracle), _weights(trainer)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_callback_without_deepspeed_says_so(tmp_path):

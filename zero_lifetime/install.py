@@ -19,6 +19,7 @@ logger = get_logger()
 
 POLICIES = config.POLICIES
 _ATTR = "_zero_lifetime_installation"
+_DESTROYED = "_zero_lifetime_destroyed"  # set by an installed engine's destroy()
 _install_lock = threading.Lock()
 
 SEMANTICS_NOTE = ("zero_lifetime: gradients now follow torch semantics: two backwards with zero_grad() "
@@ -261,6 +262,7 @@ class Installation:
             try:
                 return original(*args, **kwargs)
             finally:
+                object.__setattr__(engine, _DESTROYED, True)
                 if teardown is not None:  # ZeRO-3: what stock keeps of the engine after this
                     teardown.release(engine.module)
 
@@ -498,6 +500,11 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
     Installing twice returns the same handle.
     """
     _check_engine(engine)
+    if engine.__dict__.get(_DESTROYED):
+        # E.g. a Trainer's second train(): accelerate destroyed the engine and the Trainer
+        # kept it. DeepSpeed removed its hooks, so it cannot train, installed or not.
+        raise RuntimeError("zero_lifetime.install: this engine was destroyed (engine.destroy()) and cannot "
+                           "train any more; build a new one with deepspeed.initialize")
     given = {"policy": policy, "max_pinned_bytes": max_pinned_bytes, "strict": strict,
              "check_bucket_order": check_bucket_order}
     try:
