@@ -13,9 +13,12 @@ Scenarios:
   a stock single-backward step of the same engine shape.
 * ``zero<stage>-fused-fill``: install on ZeRO-1/2; single-backward steps with the fused
   CUDA bucket fill (counted), weights vs torch.
+* ``zero3-destroyed-device-memory``: device memory a ZeRO-3 engine leaves allocated after
+  three steps, ``destroy()`` and ``gc.collect()``, stock and installed.
 """
 
 import copy
+import gc
 import json
 import os
 import sys
@@ -180,12 +183,37 @@ def zero12_fused_fill(stage):
             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
 
 
+def device_bytes_left_by_engine(installed):
+    """torch.cuda.memory_allocated() after building, training and destroying one ZeRO-3
+    engine, minus before it (the caller's references to it dropped, gc run)."""
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    engine = make_pair(3)[0]  # not the torch reference, which a name would keep alive here
+    if installed:
+        zero_lifetime.install(engine)
+    for step in range(STEPS):
+        single_step(engine, batch(step))
+    engine.destroy()
+    del engine
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before
+
+
+def zero3_destroyed_device_memory():
+    device_bytes_left_by_engine(installed=True)  # warm-up: one-time allocations (cuBLAS workspace, ...)
+    model_bytes = sum(p.numel() * p.element_size() for p in Stack().parameters())
+    return {"model_bytes": model_bytes, "stock_left_bytes": device_bytes_left_by_engine(installed=False),
+            "installed_left_bytes": device_bytes_left_by_engine(installed=True)}
+
+
 SCENARIOS = {
     "stock-zero3-retained": stock_zero3_retained,
     "zero3-regather": lambda: zero3_retained("regather"),
     "zero3-pin": lambda: zero3_retained("pin"),
     "zero1-fused-fill": lambda: zero12_fused_fill(1),
     "zero2-fused-fill": lambda: zero12_fused_fill(2),
+    "zero3-destroyed-device-memory": zero3_destroyed_device_memory,
 }
 
 
