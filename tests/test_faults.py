@@ -347,7 +347,6 @@ def test_step_without_backward_fails_clearly_and_training_goes_on(stage, before)
     assert_weights_match(engine, reference)
 
 
-
 def _trained_then_destroyed(stage: int, installed: bool, policy: str):
     """A ZeRO engine after three training steps and destroy(): weak references to its model
     and (installed) to the installation, with the engine itself dropped. Installed, the steps
