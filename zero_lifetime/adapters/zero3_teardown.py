@@ -27,7 +27,11 @@ class DestroyedEngineRelease:
         self._decisions = release_decision_cache(type(coordinator))
 
     def release(self, root_module) -> None:
-        # In place: DeepSpeed's functions read the list through their module's global.
-        self._module_stack[:] = [module for module in self._module_stack if module is not root_module]
+        # The one entry this engine's setup pushed (another engine built on the same module
+        # pushed its own), by identity, in place: DeepSpeed reads the list as its global.
+        for index in range(len(self._module_stack) - 1, -1, -1):
+            if self._module_stack[index] is root_module:
+                del self._module_stack[index]
+                break
         # Class-wide: the other engines' coordinators recompute theirs, from their own traces.
         self._decisions.cache_clear()
