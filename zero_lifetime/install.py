@@ -101,7 +101,7 @@ class Installation:
             self.fused = Zero3FusedCopies(engine)
             self.lifetime = Zero3Lifetime(engine, self.tracker)
             self.trace = ReleaseDecisionsFollowTrace(engine)
-            self.teardown = DestroyedEngineRelease(engine)
+            self.teardown = DestroyedEngineRelease(self.trace)
         else:
             from .adapters.zero12_flat_buffers import detach_flat_buffers
             from .grad_accumulation import Zero12Accumulation

@@ -6,25 +6,24 @@ partition, alive for the rest of the process (0.17.6 to 0.19.8): ``FWD_MODULE_ST
 popped, and the coordinator's release-decision ``lru_cache`` (``maxsize=None``), whose keys
 hold the coordinator and the model's submodules. Users who build engine after engine in one
 process (a hyperparameter search, a reference model rebuilt per phase) lose that memory per
-engine. After an installed engine's ``destroy()`` both let go of it.
+engine. After an installed engine's ``destroy()`` both let go of it (the cache through
+the trace adapter, which owns it).
 """
 
 from .errors import require, unrecognised
-from .zero3_trace import release_decision_cache
 
 
 class DestroyedEngineRelease:
-    """Probed at install; ``release(module)`` after DeepSpeed's own ``destroy()``."""
+    """Probed at install; ``release(module)`` after DeepSpeed's own ``destroy()``.
+    ``decisions``: the engine's ``zero3_trace.ReleaseDecisionsFollowTrace``."""
 
-    def __init__(self, engine):
+    def __init__(self, decisions):
         from deepspeed.runtime.zero import parameter_offload
         self._module_stack = require(parameter_offload, "FWD_MODULE_STACK", "ZeRO-3's forward module stack")
         if not isinstance(self._module_stack, list):
             raise unrecognised("ZeRO-3's forward module stack (`parameter_offload.FWD_MODULE_STACK`) is no "
                                "longer a list")
-        offload = require(engine.optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
-        coordinator = require(offload, "get_param_coordinator", "the param coordinator accessor")()
-        self._decisions = release_decision_cache(type(coordinator))
+        self._decisions = decisions
 
     def release(self, root_module) -> None:
         # The one entry this engine's setup pushed (another engine built on the same module
@@ -33,5 +32,4 @@ class DestroyedEngineRelease:
             if self._module_stack[index] is root_module:
                 del self._module_stack[index]
                 break
-        # Class-wide: the other engines' coordinators recompute theirs, from their own traces.
-        self._decisions.cache_clear()
+        self._decisions.drop_decisions()

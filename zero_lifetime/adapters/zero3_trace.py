@@ -18,7 +18,7 @@ from .errors import require, unrecognised
 _PARAMS_TO_RELEASE = "_PartitionedParameterCoordinator__params_to_release"
 
 
-def release_decision_cache(coordinator_type):
+def _release_decision_cache(coordinator_type):
     """The ``lru_cache`` behind ``__params_to_release`` (0.19.8 wraps it in an NVTX range
     function without ``functools.wraps``: the cache is that function's closure cell)."""
     method = require(coordinator_type, _PARAMS_TO_RELEASE, "the coordinator's cached release decisions")
@@ -38,7 +38,7 @@ class ReleaseDecisionsFollowTrace:
         self._coordinator = require(offload, "get_param_coordinator", "the param coordinator accessor")
         coordinator = self._coordinator()
         self._is_recording = require(type(coordinator), "is_record_trace", "the coordinator's trace mode")
-        self._cache = release_decision_cache(type(coordinator))
+        self._cache = _release_decision_cache(type(coordinator))
         self.traces_recorded = 0  # by DeepSpeed, each right after this hook cleared the cache
         # Bookkeeping outside the model's computation: never traced under engine.compile().
         self._handle = engine.module.register_forward_pre_hook(torch.compiler.disable(self._before_forward),
@@ -46,9 +46,12 @@ class ReleaseDecisionsFollowTrace:
 
     def _before_forward(self, _module, _inputs) -> None:
         if self._is_recording(self._coordinator()):
-            # Class-wide: other engines' coordinators recompute theirs, from their own traces.
-            self._cache.cache_clear()
+            self.drop_decisions()
             self.traces_recorded += 1
+
+    def drop_decisions(self) -> None:
+        # Class-wide: other engines' coordinators recompute theirs, from their own traces.
+        self._cache.cache_clear()
 
     def remove(self) -> None:
         self._handle.remove()
