@@ -25,12 +25,12 @@ MiB = 2 ** 20
 def train_and_destroy(model, tokens, installed):
     """Weak references to the engine's model and its params, once the engine is destroyed."""
     import zero_lifetime
+    from zero_lifetime.bench.step import single_backward_step
     engine = make_engine(model, 3)
     if installed:
         zero_lifetime.install(engine)
     for _ in range(3):
-        engine.backward(engine(tokens).pow(2).mean())
-        engine.step()
+        single_backward_step(engine, tokens)
     module = weakref.ref(engine.module)
     params = [weakref.ref(p) for p in engine.module.parameters()]
     engine.destroy()

@@ -11,17 +11,12 @@ import torch
 
 import zero_lifetime
 from harness import (HIDDEN, OUT, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match, full_weights, losses,
-                     make_backward_die_at, make_input, make_pair, released_state, train_step, two_backwards)
+                     make_backward_die_at, make_input, make_pair, released_state, train_step)
 
 
 def _plain_step(engine, reference, ref_opt, seed):
     """One ordinary step on both, to check the engine still trains like torch."""
-    x = make_input("mlp_norm", seed)
-    engine.backward(losses(engine(x))[0])
-    engine.step()
-    losses(reference(x))[0].backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
+    train_step(engine, reference, ref_opt, "mlp_norm", seed, backwards=1, path="engine", zero_grad=False)
 
 
 def _assert_nothing_held(engine):
@@ -350,23 +345,17 @@ def test_step_without_backward_fails_clearly_and_training_goes_on(stage, before)
 def _trained_then_destroyed(stage: int, installed: bool, policy: str):
     """A ZeRO engine after three training steps and destroy(): weak references to its model
     and (installed) to the installation, with the engine itself dropped. Installed, the steps
-    are retained two-backward ones; stock (which cannot do that on ZeRO-3), one backward of
-    both. Three: ZeRO-3 makes its cached release decisions once its trace is complete."""
-    engine, reference, _ = make_pair("mlp_norm", stage)
+    are retained two-backward ones; stock (which cannot do that on ZeRO-3), single backwards.
+    Three: ZeRO-3 makes its cached release decisions once its trace is complete."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
     installation = zero_lifetime.install(engine, policy=policy) if installed else None
-    for seed in range(3):
-        out = engine(make_input("mlp_norm", seed))
-        l1, l2 = losses(out)
-        if installed:
-            engine.backward(l1, retain_graph=True)
-            engine.backward(l2)
-        else:
-            engine.backward(l1 + l2)
-        engine.step()
+    for step in range(3):
+        train_step(engine, reference, ref_opt, "mlp_norm", step, backwards=2 if installed else 1, path="engine",
+                   zero_grad=False)
     model = weakref.ref(engine.module)
     installed_ref = weakref.ref(installation) if installed else None
     engine.destroy()
-    del engine, reference, installation, out, l1, l2
+    del engine, reference, ref_opt, installation
     gc.collect()
     return model, installed_ref
 
@@ -396,11 +385,10 @@ def test_destroying_one_engine_leaves_another_training_like_torch(policy):
     zero_lifetime.install(engine, policy=policy)
     for step in range(2):  # its trace is complete: its decisions are cached
         train_step(engine, reference, ref_opt, "mlp_norm", step, backwards=2, path="engine", zero_grad=False)
-    other, *_ = make_pair("mlp_norm", 3, seed=1)
+    other, other_reference, other_opt = make_pair("mlp_norm", 3, seed=1)
     zero_lifetime.install(other, policy=policy)
-    for step in range(3):
-        two_backwards(other, other(make_input("mlp_norm", 10 + step)), "engine", zero_grad=False)
-        other.step()
+    for step in range(10, 13):
+        train_step(other, other_reference, other_opt, "mlp_norm", step, backwards=2, path="engine", zero_grad=False)
     other.destroy()
     # DeepSpeed reads the entry under a root module's own when that root returns a param.
     from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
