@@ -10,11 +10,15 @@
 #   tests_cuda  only what runs on the GPU: each kernel path once, the CUDA op tests and fuzz,
 #             the CUDA engine scenarios (CI runs everything else)
 #   sanitize  the CUDA kernels under compute-sanitizer: each kernel path once under memcheck,
-#             racecheck, initcheck and synccheck, then the CUDA op tests under memcheck
+#             racecheck, initcheck and synccheck (about 20 s)
+#   sanitize_tests  the CUDA op tests and a short fuzz under memcheck: longer than one call
+#             leaves after the phases above (on an H200, 22 tests in 150 s), so a call of its own
 #   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
 #
 # One lent device call (15 minutes of device time a session, 10 a command):
 #   bash scripts/gpu_check.sh setup bench tests_cuda sanitize      (timeout_s 600, carry .whl)
+# and, if the session's time allows, at once on the warm machine (the build is kept there):
+#   bash scripts/gpu_check.sh sanitize_tests                        (timeout_s 600)
 # The run stops starting work ZL_GPU_DEADLINE_S seconds after it began (default 540), and caps
 # each command at what is left, so it ends inside the call with every log packed.
 # The device tool returns at most 8 files from $OUT: the logs, JSON and plots go to
@@ -30,7 +34,10 @@ PACK_RESERVE_S=15  # kept back from the deadline for packing the logs
 say() { tee -a "$OUT/summary.log"; }  # stdin to the terminal and to the summary
 export PYTHONUNBUFFERED=1 DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # the lent machines are Hopper; one arch builds fastest
-[ -d /tmp/zl-site ] && export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH}
+# The repo root on the path: scripts run as `python3 tests/x.py` see only their own folder,
+# and the device machine has no editable install of this package.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -d /tmp/zl-site ] && export PYTHONPATH=/tmp/zl-site:$PYTHONPATH
 status=0
 
 pack() {
@@ -88,19 +95,21 @@ for phase in "$@"; do
       # First each kernel path once (tests/kernel_paths.py, seconds) under every tool:
       # racecheck looks at shared memory only, which these kernels do not use, so a clean
       # run says just that; initcheck and synccheck cover reads of unwritten memory and
-      # barriers. Then memcheck over the op tests and the CUDA fuzz (minutes).
+      # barriers.
       for tool in memcheck racecheck initcheck synccheck; do
         run "sanitize_paths_$tool" 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
           --tool "$tool" --error-exitcode 99 python3 tests/kernel_paths.py --device cuda
       done
-      run sanitize_memcheck_tests 400 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=150 \
+      ;;
+    sanitize_tests)
+      run sanitize_memcheck_tests 540 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 ZL_FUZZ_CASES=40 \
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest tests/test_ops.py \
-        tests/test_ops_fuzz.py -k cuda -q -p no:cacheprovider
+        tests/test_ops_fuzz.py -k cuda -q -p no:cacheprovider --durations=20
       ;;
     tests)
       run pytest 540 python3 -m pytest tests -q -p no:cacheprovider -rs -s --durations=15
       ;;
-    *) echo "unknown phase: $phase (setup, bench, tests_cuda, sanitize, tests)" | say; status=2; exit 2 ;;
+    *) echo "unknown phase: $phase (setup, bench, tests_cuda, sanitize, sanitize_tests, tests)" | say; status=2; exit 2 ;;
   esac
 done
 exit $status

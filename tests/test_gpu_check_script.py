@@ -30,7 +30,7 @@ def test_deadline_cuts_and_skips_and_every_log_is_packed(tmp_path):
     env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
            "ZL_GPU_DEADLINE_S": "30", "PYTHONPATH": REPO}
     started = time.monotonic()
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", "sanitize"], cwd=REPO, env=env,
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "sanitize", "sanitize_tests"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr  # failures reported, not hidden
@@ -47,6 +47,25 @@ def test_deadline_cuts_and_skips_and_every_log_is_packed(tmp_path):
     with tarfile.open(out / "gpu_check.tar.gz") as archive:
         logs = sorted(os.path.basename(n) for n in archive.getnames() if n.endswith(".log"))
     assert logs == ["sanitize_paths_memcheck.log"]
+
+
+def test_scripts_in_subfolders_see_the_repo_root(tmp_path):
+    """`python3 tests/kernel_paths.py` puts tests/ on sys.path, not the repo root, and the GPU
+    machine has no install of this package: the script must put the root on PYTHONPATH itself
+    (the first H200 run lost its sanitizer and profile phases to that import error)."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    _stand_in(str(shims), "compute-sanitizer", 'echo "PYTHONPATH=$PYTHONPATH"')
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PATH=f"{shims}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "sanitize"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+        log = archive.extractfile("gpu_check/sanitize_paths_memcheck.log").read().decode()
+    entries = log.strip().split("=", 1)[1].split(os.pathsep)
+    assert os.path.realpath(REPO) in [os.path.realpath(e) for e in entries if e], log
 
 
 def test_unknown_phase_is_an_error(tmp_path):
