@@ -24,9 +24,23 @@
 namespace zero_lifetime::ops::kernels {
 
 constexpr int kThreads = 256;
-constexpr int kVec = 8;     // elements per vector: 16 B of 2-byte types, 32 B of fp32
-constexpr int kUnroll = 4;  // vectors per thread per chunk, all loaded before any store
-constexpr int64_t kChunk = kThreads * kVec * kUnroll;  // elements per block work item
+constexpr int kMaxVec = 8;  // elements of the widest vector: 16 B of a 2-byte type
+constexpr int64_t kChunk = 8192;  // elements per block work item
+constexpr int kVecBytes = 16;
+
+// Elements one thread moves per vector for a dtype pair: 16 B of the wider type (4 if either
+// is fp32, else 8). Thread t's vectors start at t * vector within each row of kThreads of
+// them, so every access of a warp covers one contiguous span (512 B of 16-byte accesses, 256 B
+// of 8-byte ones): whole sectors. With
+// 8 elements for every pair, an fp32 side put the threads of a warp 32 B apart and each
+// 16-byte access half-filled 32 sectors (the fp32 kernels' 70-75% of the copy roofline on an
+// H200, 2026-11-27, against 103-112% for bf16 -> fp32 whose loads were contiguous).
+template <typename Src, typename Dst>
+constexpr int vec_elems() {
+  return kVecBytes / static_cast<int>(sizeof(Src) > sizeof(Dst) ? sizeof(Src) : sizeof(Dst));
+}
+static_assert(kChunk % (kThreads * kMaxVec) == 0 && kChunk % (kThreads * 4) == 0,
+              "a chunk is whole rows of vectors for every dtype pair");
 
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -48,17 +62,24 @@ struct ThreadCoord {
   int64_t blocks;
 };
 
-template <typename T>
-struct alignas(16) Pack8 {
-  T v[kVec];
+template <typename T, int N>
+struct Pack {
+  T v[N];
 };
 
 #if defined(__CUDACC__)
-using Word16 = uint4;  // a built-in vector type: its copies are single 16-byte accesses
+// Built-in vector types: their copies are single 8- and 16-byte accesses.
+template <int Bytes>
+using Word = std::conditional_t<Bytes == 16, uint4, uint2>;
 #else
-struct alignas(16) Word16 {
-  uint32_t x, y, z, w;
+struct alignas(16) Word16Emulated {
+  uint32_t lane[4];
 };
+struct alignas(8) Word8Emulated {
+  uint32_t lane[2];
+};
+template <int Bytes>
+using Word = std::conditional_t<Bytes == 16, Word16Emulated, Word8Emulated>;
 #endif
 
 // The bit pattern of one element, widened to 32 bits.
@@ -75,33 +96,46 @@ ZL_DEVICE uint32_t bits_of(T x) {
   }
 }
 
-// Stores `pack` at `dst` (16-byte aligned) as 16-byte words built from 32-bit lanes, with
-// an explicit vector store. Assigning the Pack8 itself compiled to per-element stores in
-// these kernels (st.global.f32 / st.global.u16 in the PTX of nvcc 13.0; whether nvcc merges
-// them depends on how much code is inlined around them: the same loop alone was merged).
-// With the threads of a warp 16-32 B apart, each per-element instruction writes 2-4 bytes
-// into each of 16-32 sectors: 4-8 times the store instructions of 16-byte stores.
-template <typename T>
-ZL_DEVICE void store_pack(T* dst, const Pack8<T>& pack) {
+// N elements from `src` (aligned to their size) with one explicit 8- or 16-byte load.
+template <typename T, int N>
+ZL_DEVICE Pack<T, N> load_pack(const T* src) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  static_assert(kBytes == 8 || kBytes == 16, "one 8- or 16-byte access");
+  const Word<kBytes> word = *reinterpret_cast<const Word<kBytes>*>(src);
+  Pack<T, N> pack;
+  memcpy(&pack, &word, kBytes);
+  return pack;
+}
+
+// Stores `pack` at `dst` (aligned to its size) as one 8- or 16-byte word built from 32-bit
+// lanes, with an explicit vector store. Assigning a pack of elements compiled to one store
+// per element in these kernels (st.global.f32 / st.global.u16 in the PTX of nvcc 13.0;
+// whether nvcc merges them depends on how much code is inlined around them).
+template <typename T, int N>
+ZL_DEVICE void store_pack(T* dst, const Pack<T, N>& pack) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 2, "fp32, bf16 or fp16");
+  constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  static_assert(kBytes == 8 || kBytes == 16, "one 8- or 16-byte access");
   constexpr int kPerLane = 4 / static_cast<int>(sizeof(T));
-  constexpr int kLanes = kVec / kPerLane;
+  constexpr int kLanes = N / kPerLane;
   uint32_t lanes[kLanes];
 ZL_UNROLL
   for (int l = 0; l < kLanes; ++l) {
     lanes[l] = kPerLane == 1 ? bits_of(pack.v[l])
                              : bits_of(pack.v[2 * l]) | (bits_of(pack.v[2 * l + 1]) << 16);
   }
-  Word16* out = reinterpret_cast<Word16*>(dst);
-ZL_UNROLL
-  for (int w = 0; w < kLanes / 4; ++w) {
-    const Word16 word{lanes[4 * w], lanes[4 * w + 1], lanes[4 * w + 2], lanes[4 * w + 3]};
+  auto* out = reinterpret_cast<Word<kBytes>*>(dst);
 #if defined(__CUDACC__)
-    __stwb(out + w, word);  // st.global.wb.v4: a plain assignment may still be split
-#else
-    out[w] = word;
-#endif
+  if constexpr (kBytes == 16) {
+    __stwb(out, make_uint4(lanes[0], lanes[1], lanes[2], lanes[3]));  // st.global.wb.v4
+  } else {
+    __stwb(out, make_uint2(lanes[0], lanes[1]));  // st.global.wb.v2
   }
+#else
+  Word<kBytes> word;
+  memcpy(&word, lanes, kBytes);
+  *out = word;
+#endif
 }
 
 template <typename Src, typename Dst>
@@ -113,26 +147,37 @@ ZL_DEVICE Dst convert(Src x, float scale, bool raw) {
   }
 }
 
+template <typename Src, typename Dst, int N>
+ZL_DEVICE void copy_vector(const Src* src, Dst* dst, float scale, bool raw) {
+  const Pack<Src, N> in = load_pack<Src, N>(src);
+  Pack<Dst, N> out;
+ZL_UNROLL
+  for (int k = 0; k < N; ++k) out.v[k] = convert<Src, Dst>(in.v[k], scale, raw);
+  store_pack(dst, out);
+}
+
 // Elements [begin, end) of one segment, by one thread of the block.
 template <typename Src, typename Dst>
 ZL_DEVICE void copy_range(const Src* src, Dst* dst, int64_t begin, int64_t end, float scale,
                           int64_t thread, int64_t threads) {
+  constexpr int kVec = vec_elems<Src, Dst>();
+  constexpr int kVectorsPerThread = static_cast<int>(kChunk / (kThreads * kVec));
   const bool raw = std::is_same_v<Src, Dst> && scale == 1.0f;  // bit copy: NaN payloads kept
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   int64_t i = begin;
   if (aligned && threads == kThreads && end - begin == kChunk) {
-    // A whole chunk (begin is a multiple of kChunk, so every vector is 16 B aligned): each
-    // thread issues its kUnroll loads before its stores, enough bytes in flight to hide
-    // the memory latency with one resident wave of blocks.
-    Pack8<Src> in[kUnroll];
+    // A whole chunk (begin is a multiple of kChunk, so every vector is aligned to its size):
+    // each thread issues all its loads before its stores, 128 B in flight per thread for an
+    // fp32 side, enough to hide the memory latency with one resident wave of blocks.
+    Pack<Src, kVec> in[kVectorsPerThread];
 ZL_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      in[u] = *reinterpret_cast<const Pack8<Src>*>(src + begin + (u * kThreads + thread) * kVec);
+    for (int u = 0; u < kVectorsPerThread; ++u) {
+      in[u] = load_pack<Src, kVec>(src + begin + (u * kThreads + thread) * kVec);
     }
 ZL_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      Pack8<Dst> out;
+    for (int u = 0; u < kVectorsPerThread; ++u) {
+      Pack<Dst, kVec> out;
 ZL_UNROLL
       for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in[u].v[k], scale, raw);
       store_pack(dst + begin + (u * kThreads + thread) * kVec, out);
@@ -142,11 +187,7 @@ ZL_UNROLL
   if (aligned) {  // a segment's last, partial chunk: vectors, then single elements
     const int64_t vec_end = begin + (end - begin) / kVec * kVec;
     for (i = begin + thread * kVec; i < vec_end; i += threads * kVec) {
-      const Pack8<Src> in = *reinterpret_cast<const Pack8<Src>*>(src + i);
-      Pack8<Dst> out;
-ZL_UNROLL
-      for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in.v[k], scale, raw);
-      store_pack(dst + i, out);
+      copy_vector<Src, Dst, kVec>(src + i, dst + i, scale, raw);
     }
     i = vec_end;
   }

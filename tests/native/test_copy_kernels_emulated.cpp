@@ -116,8 +116,8 @@ void run_grid(const std::vector<k::SegmentMeta>& meta, int64_t num_chunks, void*
 
 int64_t pick_numel(std::mt19937_64& rng) {
   static const int64_t interesting[] = {
-      1, 2, 7, k::kVec - 1, k::kVec, k::kVec + 1, 1000, k::kChunk - 1, k::kChunk, k::kChunk + 1,
-      2 * k::kChunk, 3 * k::kChunk + 5, k::kThreads * k::kVec + 3};
+      1, 2, 7, k::kMaxVec - 1, k::kMaxVec, k::kMaxVec + 1, 1000, k::kChunk - 1, k::kChunk, k::kChunk + 1,
+      2 * k::kChunk, 3 * k::kChunk + 5, k::kThreads * k::kMaxVec + 3, k::kThreads * 4 + 3};
   if (rng() % 4 == 0) return 1 + static_cast<int64_t>(rng() % 40000);
   return interesting[rng() % (sizeof(interesting) / sizeof(interesting[0]))];
 }
@@ -146,11 +146,11 @@ void run_case(std::mt19937_64& rng, Totals& totals) {
     fill_random(src_t, sources.back()->data, n, rng);
     // Gaps between destinations (kept multiples of 8 elements when aligned, as DeepSpeed's
     // 16-byte aligned partitions give).
-    const int64_t gap = misaligned ? static_cast<int64_t>(rng() % 5) : k::kVec * static_cast<int64_t>(rng() % 3);
+    const int64_t gap = misaligned ? static_cast<int64_t>(rng() % 5) : k::kMaxVec * static_cast<int64_t>(rng() % 3);
     position += gap;
     segments.push_back({sources.back()->data, position, n, src_t});
     src_types.push_back(src_t);
-    position += misaligned ? n : (n + k::kVec - 1) / k::kVec * k::kVec;
+    position += misaligned ? n : (n + k::kMaxVec - 1) / k::kMaxVec * k::kMaxVec;
   }
   const int64_t dst_numel = position + (rng() % 3);
   const size_t dst_misalign = misaligned ? itemsize(dst_t) : 0;
