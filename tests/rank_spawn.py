@@ -7,6 +7,7 @@ dead rank is reported; the records written until then are kept either way.
 
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -50,10 +51,25 @@ class RankResults:
         return [per_rank[rank] for rank in range(self.world)]
 
 
+def _run_rank_then_exit(rank, main, *args):
+    """One rank's ``main``, then the end of its process without finalizing the interpreter.
+
+    A spawned rank otherwise ends in ``sys.exit`` (multiprocessing.spawn), and finalizing is
+    where torch issue 117762 strikes: a gloo worker thread that drops the last reference to a
+    tensor needs the GIL, CPython ends such a thread with a forced unwind, and C++ turns that
+    into std::terminate (SIGABRT) after the rank's work is done and written
+    (docs/reliability.md). An exception still goes to mp's own handler, which reports it.
+    """
+    main(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(main, out_dir: str, world: int, deadline_s: float, *extra_args) -> RankResults:
     """Run ``main(rank, out_dir, port, *extra_args)`` in ``world`` spawned processes."""
-    ctx = mp.start_processes(main, args=(out_dir, int(free_port()), *extra_args), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_run_rank_then_exit, args=(main, out_dir, int(free_port()), *extra_args),
+                             nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
     failure = None
     try:

@@ -23,11 +23,13 @@ LAUNCHERS = {
 # forced unwind through C++ frames: std::terminate, exit code -6, after the script's last line.
 # Seen here about 4 times in 100 launches under load, on both launchers, always after both ranks
 # printed their result (native backtrace: ProcessGroupGloo::runLoop -> TensorImpl::decref_pyobject
-# -> PyEval_AcquireThread -> pthread_exit; faulthandler: no Python frame). mp.spawn ranks end
-# with os._exit and never finalize, so only launcher runs meet it. faulthandler's thread dump
+# -> PyEval_AcquireThread -> pthread_exit; faulthandler: no Python frame). The tests' own
+# spawned ranks end with os._exit once their work is written (rank_spawn.py); a launched
+# script is the user's, so here the abort can only be recognised. faulthandler's thread dump
 # after "Fatal Python error: Aborted" ("<no Python frame>") is not part of the sign: once the
 # interpreter is far enough into finalizing it prints none (a clean-clone CI run, 2026-11-27).
 _FINALIZING_ABORT = ("terminate called without an active exception", "Fatal Python error: Aborted")
+MAX_FINALIZING_ABORTS = 2
 _RESULT = "rank {rank}/2: 3 two-loss steps on ZeRO-3 OK; pinned 0, live handles 0"
 
 
@@ -56,10 +58,14 @@ def _aborted_while_finalizing(output: str) -> bool:
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_example_under_launcher(launcher):
     returncode, output = _launch(launcher)
-    if returncode != 0 and _aborted_while_finalizing(output):
-        # Only that abort, and only after both ranks checked out: one more launch must be clean.
-        first = output
+    aborted = []
+    while returncode != 0 and _aborted_while_finalizing(output) and len(aborted) < MAX_FINALIZING_ABORTS:
+        # Only that abort, and only after both ranks checked out: launch again. At about 7.5%
+        # of loaded launches, one retry still failed about 1 run in 180 per launcher and
+        # release; two make it about 1 in 2400. Any other failure fails at once.
+        aborted.append(output)
         returncode, output = _launch(launcher)
-        output = f"{output}\n--- first launch, aborted while finalizing ---\n{first[-2000:]}"
+    for n, earlier in enumerate(aborted, 1):
+        output += f"\n--- launch {n}, aborted while finalizing ---\n{earlier[-2000:]}"
     assert returncode == 0, output[:1500] + "\n...\n" + output[-3000:]
     assert _results_printed(output), output[-3000:]

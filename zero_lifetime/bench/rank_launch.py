@@ -79,7 +79,7 @@ def worker_main(work: Callable[[dict], list]) -> None:
             json.dump(results, f)
     dist.barrier()
     # The results are written and every rank passed the barrier: end without finalizing the
-    # interpreter, as mp.spawn's ranks do. Finalizing, a gloo worker thread that drops a
+    # interpreter (as tests/rank_spawn.py's ranks do). Finalizing, a gloo worker thread that drops a
     # tensor's last reference needs the GIL and is ended through C++ frames (torch issue
     # 117762: std::terminate, exit -6; seen on rank 0 of the gather worker in a CI run).
     sys.stdout.flush()
