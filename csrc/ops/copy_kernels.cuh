@@ -31,15 +31,15 @@ constexpr int kVecBytes = 16;
 // Elements one thread moves per vector for a dtype pair: 16 B of the wider type (4 if either
 // is fp32, else 8). Thread t's vectors start at t * vector within each row of kThreads of
 // them, so every access of a warp covers one contiguous span (512 B of 16-byte accesses, 256 B
-// of 8-byte ones): whole sectors. With
-// 8 elements for every pair, an fp32 side put the threads of a warp 32 B apart and each
-// 16-byte access half-filled 32 sectors (the fp32 kernels' 70-75% of the copy roofline on an
-// H200, 2026-11-27, against 103-112% for bf16 -> fp32 whose loads were contiguous).
+// of 8-byte ones): whole sectors. With 8 elements for every pair, an fp32 side put the threads
+// of a warp 32 B apart and each 16-byte access half-filled 32 sectors (the fp32 kernels' 70-75%
+// of the copy roofline on an H200, 2026-11-27, against 103-112% for bf16 -> fp32 whose loads
+// were contiguous).
 template <typename Src, typename Dst>
 constexpr int vec_elems() {
   return kVecBytes / static_cast<int>(sizeof(Src) > sizeof(Dst) ? sizeof(Src) : sizeof(Dst));
 }
-static_assert(kChunk % (kThreads * kMaxVec) == 0 && kChunk % (kThreads * 4) == 0,
+static_assert(kChunk % (kThreads * kMaxVec) == 0 && kChunk % (kThreads * vec_elems<float, float>()) == 0,
               "a chunk is whole rows of vectors for every dtype pair");
 
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
@@ -148,8 +148,7 @@ ZL_DEVICE Dst convert(Src x, float scale, bool raw) {
 }
 
 template <typename Src, typename Dst, int N>
-ZL_DEVICE void copy_vector(const Src* src, Dst* dst, float scale, bool raw) {
-  const Pack<Src, N> in = load_pack<Src, N>(src);
+ZL_DEVICE void store_converted(Dst* dst, const Pack<Src, N>& in, float scale, bool raw) {
   Pack<Dst, N> out;
 ZL_UNROLL
   for (int k = 0; k < N; ++k) out.v[k] = convert<Src, Dst>(in.v[k], scale, raw);
@@ -177,17 +176,14 @@ ZL_UNROLL
     }
 ZL_UNROLL
     for (int u = 0; u < kVectorsPerThread; ++u) {
-      Pack<Dst, kVec> out;
-ZL_UNROLL
-      for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in[u].v[k], scale, raw);
-      store_pack(dst + begin + (u * kThreads + thread) * kVec, out);
+      store_converted(dst + begin + (u * kThreads + thread) * kVec, in[u], scale, raw);
     }
     return;
   }
   if (aligned) {  // a segment's last, partial chunk: vectors, then single elements
     const int64_t vec_end = begin + (end - begin) / kVec * kVec;
     for (i = begin + thread * kVec; i < vec_end; i += threads * kVec) {
-      copy_vector<Src, Dst, kVec>(src + i, dst + i, scale, raw);
+      store_converted(dst + i, load_pack<Src, kVec>(src + i), scale, raw);
     }
     i = vec_end;
   }
