@@ -7,13 +7,12 @@ dead rank is reported; the records written until then are kept either way.
 
 import json
 import os
-import sys
 import time
 
 import pytest
 import torch.multiprocessing as mp
 
-from zero_lifetime.single_rank import free_port
+from zero_lifetime.single_rank import exit_without_finalizing, free_port
 
 
 def env_for_own_rank0() -> dict:
@@ -52,18 +51,11 @@ class RankResults:
 
 
 def _run_rank_then_exit(rank, main, *args):
-    """One rank's ``main``, then the end of its process without finalizing the interpreter.
-
-    A spawned rank otherwise ends in ``sys.exit`` (multiprocessing.spawn), and finalizing is
-    where torch issue 117762 strikes: a gloo worker thread that drops the last reference to a
-    tensor needs the GIL, CPython ends such a thread with a forced unwind, and C++ turns that
-    into std::terminate (SIGABRT) after the rank's work is done and written
-    (docs/reliability.md). An exception still goes to mp's own handler, which reports it.
-    """
+    """One rank's ``main``, then the end of its process without finalizing the interpreter
+    (torch issue 117762: single_rank.exit_without_finalizing). An exception still goes to mp's
+    own handler, which reports it."""
     main(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing()
 
 
 def spawn_ranks(main, out_dir: str, world: int, deadline_s: float, *extra_args) -> RankResults:

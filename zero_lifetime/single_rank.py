@@ -4,9 +4,23 @@ import atexit
 import glob
 import os
 import socket
+import sys
 
 MASTER_ADDR = "127.0.0.1"
 _ports_chosen = []  # every port free_port() handed out in this process
+
+
+def exit_without_finalizing() -> None:
+    """End a rank's process, its work written, without finalizing the interpreter.
+
+    Finalizing is where torch issue 117762 strikes a gloo rank: a gloo worker thread that drops
+    a tensor's last reference needs the GIL, CPython ends such a thread with a forced unwind,
+    and C++ turns that into std::terminate (SIGABRT, exit -6) after the work is done. A rank
+    spawned by multiprocessing ends in ``sys.exit`` and finalizes too (docs/reliability.md).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> str:

@@ -74,14 +74,11 @@ def worker_main(work: Callable[[dict], list]) -> None:
     with open(spec_path) as f:
         results = work(json.load(f))
     import torch.distributed as dist
+    from ..single_rank import exit_without_finalizing
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
-    # The results are written and every rank passed the barrier: end without finalizing the
-    # interpreter (as tests/rank_spawn.py's ranks do). Finalizing, a gloo worker thread that drops a
-    # tensor's last reference needs the GIL and is ended through C++ frames (torch issue
-    # 117762: std::terminate, exit -6; seen on rank 0 of the gather worker in a CI run).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The results are written and every rank passed the barrier (torch 117762 struck rank 0 of
+    # the gather worker while finalizing in a CI run).
+    exit_without_finalizing()
