@@ -22,16 +22,22 @@ def _stand_in(directory, name, body):
     os.chmod(path, 0o755)
 
 
-def test_deadline_cuts_and_skips_and_every_log_is_packed(tmp_path):
+def _run_with_sanitizer(tmp_path, sanitizer_body, phases, env):
+    """gpu_check.sh PHASES with a compute-sanitizer stand-in running SANITIZER_BODY; $OUT is tmp_path/out."""
     shims = tmp_path / "bin"
     shims.mkdir()
-    _stand_in(str(shims), "compute-sanitizer", "exec sleep 120")  # a sanitizer run that would outlast the call
+    _stand_in(str(shims), "compute-sanitizer", sanitizer_body)
+    env = {**env, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *phases], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_deadline_cuts_and_skips_and_every_log_is_packed(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
-           "ZL_GPU_DEADLINE_S": "30", "PYTHONPATH": REPO}
     started = time.monotonic()
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", "sanitize", "sanitize_tests"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+    # A sanitizer run that would outlast the call.
+    result = _run_with_sanitizer(tmp_path, "exec sleep 120", ["sanitize", "sanitize_tests"],
+                                 {**os.environ, "ZL_GPU_DEADLINE_S": "30", "PYTHONPATH": REPO})
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr  # failures reported, not hidden
     assert elapsed < 60, f"{elapsed:.0f}s: the hanging sanitizer (120 s) was not cut at the 30 s deadline"
@@ -53,16 +59,10 @@ def test_scripts_in_subfolders_see_the_repo_root(tmp_path):
     """`python3 tests/kernel_paths.py` puts tests/ on sys.path, not the repo root, and the GPU
     machine has no install of this package: the script must put the root on PYTHONPATH itself
     (the first H200 run lost its sanitizer and profile phases to that import error)."""
-    shims = tmp_path / "bin"
-    shims.mkdir()
-    _stand_in(str(shims), "compute-sanitizer", 'echo "PYTHONPATH=$PYTHONPATH"')
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PATH=f"{shims}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", "sanitize"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = _run_with_sanitizer(tmp_path, 'echo "PYTHONPATH=$PYTHONPATH"', ["sanitize"],
+                                 {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert result.returncode == 0, result.stdout + result.stderr
-    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+    with tarfile.open(tmp_path / "out" / "gpu_check.tar.gz") as archive:
         log = archive.extractfile("gpu_check/sanitize_paths_memcheck.log").read().decode()
     entries = log.strip().split("=", 1)[1].split(os.pathsep)
     assert os.path.realpath(REPO) in [os.path.realpath(e) for e in entries if e], log
