@@ -72,7 +72,8 @@ for phase in "$@"; do
       if ls .whl/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zl-site .whl/*.whl \
           || { echo "== setup: the carried wheels did not install" | say; status=1; exit 1; }
-        export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH}
+        # Already first on the path when an earlier call left the wheels installed (see the top).
+        case ":$PYTHONPATH:" in *:/tmp/zl-site:*) ;; *) export PYTHONPATH=/tmp/zl-site${PYTHONPATH:+:$PYTHONPATH} ;; esac
       fi
       run build 300 python3 setup.py build_ext --inplace
       run env_report 60 python3 -m zero_lifetime.env_report
