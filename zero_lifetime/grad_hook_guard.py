@@ -11,6 +11,10 @@
 * At the end of every backward: a param that got a gradient which no DeepSpeed hook
   took is an error that names it, instead of an IndexError or a step that changes
   nothing.
+* ZeRO-3 leaf modules: DeepSpeed's hook that reduces a leaf module's gradients also fires
+  in a ``torch.autograd.grad`` through the module, and there zero-fills and reduces
+  gradients no pass computed (into the bucket the next backward then finds them in twice).
+  It runs only in passes that accumulate ``.grad``.
 """
 
 import torch
@@ -51,6 +55,13 @@ class GradHookGuard:
             self.hooks.recreate(self._register_kept_alive)
         self._taken = set()  # ids of params a DeepSpeed hook took a gradient of, this backward
         self._entry_patch = self.hooks.wrap_entry(lambda param: self._taken.add(id(param)))
+        self._leaf_ids = {id(p) for p in self.hooks.leaf_module_params()}
+        self._leaf_gate = None
+
+    def run_leaf_hooks_only_when(self, should_run) -> None:
+        """DeepSpeed's leaf-module reduction hooks run only when ``should_run()`` (True in a
+        pass that accumulates .grad, False in a torch.autograd.grad)."""
+        self._leaf_gate = self.hooks.gate_leaf_module_hooks(should_run)
 
     def _register_kept_alive(self, param, hook):
         if USE_POST_ACCUMULATE_HOOK:
@@ -70,7 +81,17 @@ class GradHookGuard:
         unmanaged = [self._names.get(id(p), "?") for p in self._unmanaged if p.grad is not None]
         if unmanaged:
             raise GradientsNotReducedError(_unmanaged_message(unmanaged))
-        missed = [self._names.get(id(p), "?") for p in got_gradient if id(p) not in self._taken]
+        missed_params = [p for p in got_gradient if id(p) not in self._taken]
+        missed = [self._names.get(id(p), "?") for p in missed_params]
+        if missed and self.hooks.leaf_reduction_is_per_forward() and all(id(p) in self._leaf_ids
+                                                                          for p in missed_params):
+            raise GradientsNotReducedError(
+                f"zero_lifetime: this backward produced gradients for {len(missed)} param(s) of ZeRO-3 "
+                f"leaf modules (set_z3_leaf_modules) that DeepSpeed did not reduce: {', '.join(missed[:8])}"
+                f"{' ...' if len(missed) > 8 else ''}. This DeepSpeed release reduces a leaf module's "
+                f"gradients once per forward, so a second pass through one forward (a retained "
+                f"backward, or a backward after torch.autograd.grad) is not supported with leaf modules; "
+                f"DeepSpeed 0.18.9 and later reduce them in every backward.")
         if missed:
             raise GradientsNotReducedError(
                 f"zero_lifetime: this backward produced gradients for {len(missed)} param(s) that no "
@@ -80,4 +101,6 @@ class GradHookGuard:
                 f"AccumulateGrad nodes that died, DeepSpeed #7595?).")
 
     def restore(self) -> None:
+        if self._leaf_gate is not None:
+            self._leaf_gate.undo()
         self._entry_patch.undo()

@@ -92,6 +92,8 @@ class Installation:
         from .tracker import make_tracker
 
         self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
+        # A torch.autograd.grad (scope open, nothing accumulating) reduces nothing.
+        self.grad_guard.run_leaf_hooks_only_when(lambda: self._accumulating or not self.scope.open)
         if self.stage == 3:
             from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace

@@ -4,6 +4,12 @@
 on torch >= 2.1. Below that it hooks the param's ``AccumulateGrad`` node without
 keeping a reference (dropped in 0.16.3 / 0.16.6); autograd holds that node weakly, so
 it dies at once and the hooks never fire: empty IPG buckets (DeepSpeed #7595).
+
+ZeRO-3 leaf modules (``set_z3_leaf_modules``, MoE blocks) get no per-param hooks: one hook
+on the module reduces all its params' gradients, zero-filling those that got none (experts
+a batch did not use). From 0.18 it is a full backward hook, which fires in every pass
+through the module, ``torch.autograd.grad`` included; 0.17.6 hooks the module's inputs at
+each forward and reduces once, when the last of them has its gradient.
 """
 
 import deepspeed.runtime.zero.stage3 as stage3_module
@@ -21,6 +27,36 @@ def deepspeed_hooks_are_dead() -> bool:
     return not ds_torch_utils.required_torch_version(min_version=2.1)
 
 
+class LeafHookGate:
+    """DeepSpeed's leaf-module backward hooks, each run only when ``should_run()``;
+    ``undo()`` puts DeepSpeed's own back."""
+
+    def __init__(self, handles, should_run):
+        self._gated = []  # (hooks dict, handle id, DeepSpeed's hook, ours)
+        for handle in handles:
+            hooks = handle.hooks_dict_ref()
+            original = hooks[handle.id]
+
+            def gated(module, grad_input, grad_output, _original=original):
+                if should_run():
+                    return _original(module, grad_input, grad_output)
+                return None
+
+            # In place, under the same id: the order of the module's hooks and DeepSpeed's
+            # handle (destroy() removes it) stay as they were.
+            hooks[handle.id] = gated
+            self._gated.append((hooks, handle.id, original, gated))
+
+    def __len__(self) -> int:
+        return len(self._gated)
+
+    def undo(self) -> None:
+        for hooks, hook_id, original, gated in self._gated:
+            if hooks.get(hook_id) is gated:
+                hooks[hook_id] = original
+        self._gated.clear()
+
+
 class GradHooks:
 
     def __init__(self, optimizer, stage: int):
@@ -33,6 +69,7 @@ class GradHooks:
             self._create_name = "create_reduce_and_remove_grad_hooks"
             self._module = stage3_module
             require(optimizer, "_leaf_module_hooks", "the ZeRO-3 leaf-module hook handles")
+            self._leaf_params = require(optimizer, "leaf_parameters", "the ZeRO-3 leaf modules' params")
         else:
             self._groups = require(optimizer, "bit16_groups", "the ZeRO-1/2 param groups")
             self._entry_name = "process_gradients"
@@ -44,6 +81,31 @@ class GradHooks:
 
     def managed_params(self):
         return [p for group in self._groups for p in group]
+
+    def leaf_module_params(self) -> list:
+        """The params of ZeRO-3 leaf modules, which one hook per module reduces."""
+        return [p for params in self._leaf_params.values() for p in params] if self.stage == 3 else []
+
+    def _leaf_backward_hook_handles(self) -> list:
+        by_dict = {id(module._backward_hooks) for module in self._leaf_params}
+        handles = []
+        for handle in self.optimizer._leaf_module_hooks:
+            hooks = require(handle, "hooks_dict_ref", "torch's hook handle")()
+            if hooks is not None and id(hooks) in by_dict:
+                handles.append(handle)
+        return handles
+
+    def leaf_reduction_is_per_forward(self) -> bool:
+        """True on 0.17.6: a leaf module's gradients are reduced once per forward (the last of
+        its inputs' hooks), so a second pass through one forward reduces none of them."""
+        return self.stage == 3 and bool(self._leaf_params) and not self._leaf_backward_hook_handles()
+
+    def gate_leaf_module_hooks(self, should_run):
+        """Run DeepSpeed's leaf-module backward hooks only when ``should_run()``. Returns the
+        gate (``undo()``), or None where there are no such hooks (ZeRO-1/2, no leaf modules,
+        0.17.6's per-forward input hooks)."""
+        handles = self._leaf_backward_hook_handles() if self.stage == 3 else []
+        return LeafHookGate(handles, should_run) if handles else None
 
     def recreate(self, register_grad_hook) -> None:
         """Drop DeepSpeed's hooks and let it make them again through ``register_grad_hook``."""
