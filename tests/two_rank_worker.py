@@ -43,14 +43,15 @@ CONTROL_TIMEOUT_S = 45
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
               persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None,
-              compile=None):
+              compile=None, leaf=False):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
     ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
     ``zero``: more zero_optimization settings (param offload, ZeRO++).
-    ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``."""
+    ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``.
+    ``leaf``: the LayerNorm is a ZeRO-3 leaf module (``set_z3_leaf_modules``)."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
-                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile)
+                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf)
 
 
 def _build_scenarios():
@@ -129,6 +130,14 @@ def _build_scenarios():
         for policy in ("regather", "pin"):
             out.append(_scenario(f"alternating-stage3-{model}-{policy}", "steps", 3, "manual", False, policy, model,
                                  schedule=[2, 1, 2]))
+    # ZeRO-3 leaf modules (as transformers sets them on MoE blocks): one hook per module
+    # reduces its params' gradients, a collective. Two backwards, a gradient penalty, and
+    # torch.autograd.grad before or after the training backward (below) on every rank alike.
+    for policy, path, zero_grad in (("regather", "engine", False), ("pin", "manual", True),
+                                    ("regather", "manual", True), ("pin", "engine", False)):
+        out.append(_scenario(f"leaf-stage3-{policy}-{path}-{zg_ids[zero_grad]}", "steps", 3, path, zero_grad, policy,
+                             leaf=True))
+    out.append(_scenario("penalty-stage3-leaf-regather-engine", "penalty", 3, "engine", policy="regather", leaf=True))
     # A first step with one backward, then two every step: DeepSpeed re-records its trace at
     # step 2 and its release decisions must follow the new trace on both ranks alike.
     for model in ("mlp_norm", "tied_lm"):
@@ -185,6 +194,8 @@ def _build_scenarios():
         for stage, policy in ((2, "regather"), (3, "regather"), (3, "pin")):
             out.append(dict(id=f"autograd_grad-{wrt}-stage{stage}-{policy}", kind="autograd_grad", wrt=wrt,
                             stage=stage, policy=policy))
+        out.append(dict(id=f"autograd_grad-{wrt}-stage3-regather-leaf", kind="autograd_grad", wrt=wrt, stage=3,
+                        policy="regather", leaf=True))
     # A backward that dies half-way on every rank at once (a check in the model raising, the
     # same on each rank), after a retained one, then what the user does next: the ranks clean
     # up alike and train on like the oracle. With a bucket as small as one weight, DeepSpeed
@@ -217,6 +228,10 @@ def _build_scenarios():
                              zero=zero3_variants[variant]))
     out.append(_scenario("stock-stage3-compiled-no-install", "stock", 3, "engine", True, install=False,
                          zero=eager_release, compile="aot_eager"))
+    if deepspeed_release() == "0.17.6":
+        # 0.17.6 reduces a leaf module once per forward: a second pass raises
+        # (test_zero3_leaf_modules checks that on 1 rank).
+        out = [sc for sc in out if not sc.get("leaf")]
     if deepspeed_release() != "0.19.8":
         # 0.17.6 and 0.18.9 refuse a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
         out = [sc for sc in out if not (sc["id"].startswith("carry-stage2-offload") and sc.get("gas", 1) > 1)]
@@ -391,6 +406,7 @@ def _run_training(sc, rank):
     cfg = ds_config(sc["stage"], sc["persistence"], lr=lr, gas=sc["gas"], **offload, **sc.get("zero", {}))
     if sc["zero_init"]:
         model = _built_in_zero_init(sc["model"], cfg, initial)
+    _mark_leaf_modules(model, sc)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, device_ids=None)
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     ar_opt = torch.optim.SGD(ar_model.parameters(), lr=lr)
@@ -423,6 +439,13 @@ def _run_training(sc, rank):
     record["moved"] = moved if moved == moved else float("inf")  # NaN: fails the movement bound
     del engine, ddp
     return record
+
+
+def _mark_leaf_modules(model, sc):
+    if sc.get("leaf"):
+        import torch
+        from deepspeed.utils import set_z3_leaf_modules
+        set_z3_leaf_modules(model, [torch.nn.LayerNorm])
 
 
 def _built_in_zero_init(model_name, cfg, weights):
@@ -542,6 +565,7 @@ def _run_autograd_grad(sc, rank):
     oracle = copy.deepcopy(model)
     lr = LR["mlp_norm"]
     opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    _mark_leaf_modules(model, sc)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr),
                                       model_parameters=model.parameters())
     zero_lifetime.install(engine, policy=sc["policy"])
