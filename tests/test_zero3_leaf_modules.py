@@ -19,10 +19,15 @@ import torch
 from deepspeed.utils import set_z3_leaf_modules
 
 import zero_lifetime
+import zero_lifetime.adapters.grad_hooks
 from harness import DS_VERSION, IN, OUT, assert_weights_match, ds_config, make_input, released_state
 from zero_lifetime.grad_hook_guard import GradientsNotReducedError
 
-HIDDEN = 16
+HIDDEN, WIDE = 16, 256
+LR = 0.01  # the gradient penalty through the wide layer diverges at harness's 0.1
+# Experts' granularity (params per layer, DeepSpeed's measure) is 144, the whole model's 762:
+# this threshold makes Experts, and only Experts, a leaf module.
+GRANULARITY_THRESHOLD = 150
 
 
 class Experts(torch.nn.Module):
@@ -47,24 +52,38 @@ class MoEModel(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(IN, HIDDEN)
         self.moe = Experts()
-        self.out = torch.nn.Linear(HIDDEN, OUT)
+        self.wide = torch.nn.Linear(HIDDEN, WIDE)
+        self.out = torch.nn.Linear(WIDE, OUT)
 
     def forward(self, x):
-        return self.out(self.moe(self.inp(x)))
+        return self.out(self.wide(self.moe(self.inp(x))))
 
 
 def _losses(out):
     return out.pow(2).mean(), (out * torch.linspace(-1, 1, out.shape[-1])).sum()
 
 
-def _make_pair(policy):
+def _engine(model, marking, leaf_class=Experts):
+    """``marking``: how the leaf module is chosen: "by_class" (set_z3_leaf_modules) or
+    "by_threshold" (stage3_module_granularity_threshold; DeepSpeed then keeps a released
+    leaf param's data, its "fast sharding")."""
+    zero = {}
+    if marking == "by_class":
+        set_z3_leaf_modules(model, [leaf_class])
+    else:
+        zero["stage3_module_granularity_threshold"] = GRANULARITY_THRESHOLD
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, lr=LR, **zero),
+                                      model_parameters=model.parameters())
+    return engine
+
+
+def _make_pair(policy, marking):
     torch.manual_seed(0)
     model = MoEModel()
     reference = copy.deepcopy(model)
-    set_z3_leaf_modules(model, [Experts])
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3), model_parameters=model.parameters())
+    engine = _engine(model, marking)
     zero_lifetime.install(engine, policy=policy)
-    return engine, reference, torch.optim.SGD(reference.parameters(), lr=0.1)
+    return engine, reference, torch.optim.SGD(reference.parameters(), lr=LR)
 
 
 def _passes(model, backward, zero_grad, x, kind):
@@ -101,16 +120,24 @@ KINDS = ["single", "two_backwards", "two_backwards_zero_grad", "grad_input_then_
 # in a forward's first backward pass: a later backward through that forward reduces none.
 PER_FORWARD_RELEASE = DS_VERSION == "0.17.6"
 # (A gradient for an expert's weight alone does not reach the module's inputs' hooks.)
+# Stock 0.17.6's fast sharding (leaf modules by threshold) fails on the CPU accelerator in its first
+# forward ("Invalid device string: '0'", torch.device of the bare device index).
+THRESHOLD_RUNS_HERE = DS_VERSION != "0.17.6"
 UNSUPPORTED_ON_0176 = {"two_backwards", "two_backwards_zero_grad", "grad_input_then_backward", "gradient_penalty"}
 
 
-@pytest.mark.parametrize("policy", ["regather", "pin"])
+_BY_THRESHOLD = pytest.mark.skipif(not THRESHOLD_RUNS_HERE, reason="stock 0.17.6 fails by threshold on the CPU")
+
+
+@pytest.mark.parametrize("marking, policy", [("by_class", "regather"), ("by_class", "pin"),
+                                             pytest.param("by_threshold", "regather", marks=_BY_THRESHOLD)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_leaf_module_passes_match_torch(kind, policy):
+def test_leaf_module_passes_match_torch(kind, policy, marking):
     """Every step's weights, and what torch.autograd.grad gave, match torch; the second
     expert sits out every other step (DeepSpeed gives it a zero gradient: plain SGD leaves
     it where torch does); nothing stays gathered."""
-    engine, reference, ref_opt = _make_pair(policy)
+    engine, reference, ref_opt = _make_pair(policy, marking)
+    assert zero_lifetime.adapters.grad_hooks.GradHooks(engine.optimizer, 3).leaf_modules() == [engine.module.moe]
     if PER_FORWARD_RELEASE and kind in UNSUPPORTED_ON_0176:
         x = make_input("mlp_norm", 0).requires_grad_(True)
         with pytest.raises(GradientsNotReducedError, match="once per forward"):
@@ -129,7 +156,45 @@ def test_leaf_module_passes_match_torch(kind, policy):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         assert_weights_match(engine, reference)
     gc.collect()
-    assert released_state(engine) == ([], [])
+    gathered, data_kept = released_state(engine)
+    assert gathered == []
+    if marking == "by_class":  # by threshold, DeepSpeed keeps released leaf params' data
+        assert data_kept == []
+
+
+@pytest.mark.parametrize("marking", ["by_class", "by_threshold"])
+def test_the_whole_model_as_leaf_module_is_refused(marking):
+    """The root a leaf module: DeepSpeed reduces every gradient from one hook on the model's
+    inputs, which stock fails in when no input needs a gradient, and which left the second of
+    two backwards unreduced. install says what to do instead."""
+    torch.manual_seed(0)
+    model = MoEModel()
+    if marking == "by_class":
+        engine = _engine(model, marking, leaf_class=MoEModel)
+    else:  # a threshold above every module's granularity: the root is chosen first
+        engine = deepspeed.initialize(model=model, config=ds_config(3, stage3_module_granularity_threshold=10 ** 6),
+                                      model_parameters=model.parameters())[0]
+    with pytest.raises(ValueError, match="root module is a ZeRO-3 leaf module"):
+        zero_lifetime.install(engine)
+
+
+@_BY_THRESHOLD
+def test_pin_with_leaf_modules_chosen_by_threshold_is_refused():
+    """DeepSpeed's fast sharding (leaf modules by threshold) sets a released param's data to
+    one element even while it is pinned: policy "pin" is refused, naming the alternatives."""
+    torch.manual_seed(0)
+    engine = _engine(MoEModel(), "by_threshold")
+    with pytest.raises(ValueError, match='policy "pin" cannot keep'):
+        zero_lifetime.install(engine, policy="pin")
+    assert zero_lifetime.install(engine, policy="regather") is not None
+
+
+def test_stock_fails_with_the_whole_model_as_leaf_and_no_input_gradient():
+    """What the refusal's message says of stock DeepSpeed (a DeepSpeed that fixes it fails this)."""
+    torch.manual_seed(0)
+    engine = _engine(MoEModel(), "by_class", leaf_class=MoEModel)
+    with pytest.raises(RuntimeError):
+        engine.backward(_losses(engine(make_input("mlp_norm", 0)))[0])
 
 
 @pytest.mark.skipif(PER_FORWARD_RELEASE, reason="DeepSpeed 0.17.6 has no leaf-module backward hook to gate")
@@ -137,9 +202,7 @@ def test_uninstall_puts_deepspeeds_leaf_hooks_back():
     """The gate replaces DeepSpeed's hooks in place, under their ids (DeepSpeed's handles
     still remove them); uninstall puts DeepSpeed's own back, and install gates them again."""
     torch.manual_seed(0)
-    model = MoEModel()
-    set_z3_leaf_modules(model, [Experts])
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3), model_parameters=model.parameters())
+    engine = _engine(MoEModel(), "by_class")
     hooks = engine.module.moe._backward_hooks
     deepspeeds = dict(hooks)
     assert deepspeeds, "DeepSpeed registered no backward hook on the leaf module"

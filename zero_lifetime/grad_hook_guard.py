@@ -38,6 +38,15 @@ def _unmanaged_message(names) -> str:
             f"(or keep them frozen).")
 
 
+_ROOT_LEAF_MESSAGE = (
+    "zero_lifetime: the model's root module is a ZeRO-3 leaf module (set_z3_leaf_modules on its class, or "
+    "stage3_module_granularity_threshold at or above its granularity), so DeepSpeed gathers the whole model at "
+    "once and reduces every gradient from one hook on the model's inputs. That hook gets nothing when no input "
+    "needs a gradient (stock DeepSpeed then fails in the backward), and a second backward over one forward "
+    "leaves its gradients unreduced. Make submodules the leaf modules (the MoE blocks), or lower "
+    "stage3_module_granularity_threshold.")
+
+
 class GradHookGuard:
 
     def __init__(self, engine, stage: int):
@@ -50,6 +59,8 @@ class GradHookGuard:
         unmanaged = [self._names.get(id(p), "?") for p in self._unmanaged if p.requires_grad]
         if unmanaged:
             raise ValueError(_unmanaged_message(unmanaged))
+        if any(module is engine.module for module in self.hooks.leaf_modules()):
+            raise ValueError(_ROOT_LEAF_MESSAGE)
         self.recreated_hooks = deepspeed_hooks_are_dead()
         if self.recreated_hooks:
             self.hooks.recreate(self._register_kept_alive)

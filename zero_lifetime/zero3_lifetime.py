@@ -13,12 +13,21 @@ import torch
 from .adapters.zero3_params import Zero3Params
 
 
+_PIN_WITH_FAST_SHARDING = (
+    "zero_lifetime: policy \"pin\" cannot keep the params of leaf modules that stage3_module_granularity_threshold "
+    "chose: DeepSpeed's fast sharding of those modules overwrites a released param's data even while a graph "
+    "still uses it (pinned). Use policy \"regather\" (the default), or mark the leaf modules with "
+    "deepspeed.utils.set_z3_leaf_modules instead of the threshold.")
+
+
 class Zero3Lifetime:
 
     def __init__(self, engine, tracker):
         self.engine = engine
         self.tracker = tracker
         self.zparams = Zero3Params(engine)
+        if tracker.policy == "pin" and self.zparams.keeps_released_leaf_data():
+            raise ValueError(_PIN_WITH_FAST_SHARDING)
         self.params = {p.ds_id: p for p in engine.module.parameters()}
         self._regathered = set()  # ds_ids we gathered on demand; we own their release
         self._deferred = []  # unpinned params whose release waits for a safe point

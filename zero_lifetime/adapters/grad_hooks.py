@@ -82,6 +82,10 @@ class GradHooks:
     def managed_params(self):
         return [p for group in self._groups for p in group]
 
+    def leaf_modules(self) -> list:
+        """ZeRO-3 leaf modules (set_z3_leaf_modules, or chosen by stage3_module_granularity_threshold)."""
+        return list(self._leaf_params) if self.stage == 3 else []
+
     def leaf_module_params(self) -> list:
         """The params of ZeRO-3 leaf modules, which one hook per module reduces."""
         return [p for params in self._leaf_params.values() for p in params] if self.stage == 3 else []

@@ -34,6 +34,14 @@ class Zero3Params:
         for attr in ("ds_id", "ds_status", "ds_tensor", "ds_active_sub_modules", "ds_numel", "all_gather"):
             require(sample, attr, "a ZeRO-3 parameter attribute")
 
+    def keeps_released_leaf_data(self) -> bool:
+        """DeepSpeed's "fast sharding" of leaf modules chosen by stage3_module_granularity_threshold:
+        at a leaf module's release it sets the data of every param its trace releases to one
+        element, even a param that stays in use (one we pinned), and leaves such params
+        AVAILABLE."""
+        return bool(require(self.coordinator(), "fast_sharding_for_leaf_module",
+                            "the coordinator's leaf-module fast sharding flag"))
+
     def coordinator(self):
         return require(self._offload, "get_param_coordinator", "the param coordinator accessor")()
 
