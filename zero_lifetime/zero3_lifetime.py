@@ -10,7 +10,7 @@ so a second backward never accumulates into an empty (numel 0) param.
 
 import torch
 
-from .adapters.zero3_params import Zero3Params
+from .adapters.zero3_params import PinnedParamsStayGathered, Zero3Params
 
 
 _PIN_WITH_FAST_SHARDING = (
@@ -38,6 +38,11 @@ class Zero3Lifetime:
         self._counters_after_forward = []
         self._counters_consumed = False  # a backward over the latest forward has run
 
+        # A GatheredParameters context (logging, an EMA copy) must not free what a graph pinned.
+        self._pinned_stay = None
+        if tracker.policy == "pin":
+            names = {id(p): n for n, p in engine.module.named_parameters()}
+            self._pinned_stay = PinnedParamsStayGathered(self.params.values(), names)
         tracker.set_available_status(Zero3Params.AVAILABLE)
         tracker.set_callbacks(self._gather_for_unpack, Zero3Params.pin, self._on_unpinned)
         for param in self.params.values():
@@ -167,6 +172,8 @@ class Zero3Lifetime:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        if self._pinned_stay is not None:
+            self._pinned_stay.undo()
         for param in self.params.values():
             Zero3Params.unpin(param)
 

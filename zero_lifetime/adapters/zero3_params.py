@@ -129,3 +129,52 @@ class Zero3Params:
     @staticmethod
     def unpin(param) -> None:
         param.ds_active_sub_modules.discard(PIN_MARK)
+
+
+class PinnedParamsStayGathered:
+    """A ``GatheredParameters`` context partitions every param it was given as it exits, a
+    param a live graph pinned too, and DeepSpeed refuses to free that one ("Cannot free a
+    ZeRO-3 parameter while it is still active in submodules"). Each param's ``partition()``
+    here leaves pinned params out, so the context leaves them as it found them: gathered.
+    After an update (``modifier_rank``) DeepSpeed would copy a param into its partition and
+    free it, which a pinned one cannot be: the rest are partitioned, then a clear error names
+    the pinned ones, whose update did not reach their partitions."""
+
+    def __init__(self, params, names):
+        self._originals = []
+        for param in params:
+            original = require(param, "partition", "a ZeRO-3 parameter's partition()")
+            param.partition = _partition_skipping_pinned(param, original, names)
+            self._originals.append((param, original))
+
+    def undo(self) -> None:
+        for param, original in self._originals:
+            param.partition = original
+        self._originals.clear()
+
+
+class PinnedParamUpdatedError(RuntimeError):
+    """GatheredParameters(modifier_rank=...) exited over params a live graph pinned."""
+
+
+def _partition_skipping_pinned(param, original, names):
+
+    def partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
+        params = [param] if param_list is None else param_list
+        pinned = [p for p in params if PIN_MARK in p.ds_active_sub_modules]
+        if not pinned or not free_data:
+            return original(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
+                            free_data=free_data)
+        unpinned = [p for p in params if PIN_MARK not in p.ds_active_sub_modules]
+        if unpinned:
+            original(param_list=unpinned, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data)
+        if has_been_updated:
+            raise PinnedParamUpdatedError(
+                f"zero_lifetime: GatheredParameters(modifier_rank=...) ended over {len(pinned)} param(s) that a "
+                f"live graph holds under policy \"pin\": {', '.join(names.get(id(p), '?') for p in pinned[:8])}"
+                f"{' ...' if len(pinned) > 8 else ''}. Their update stays in the gathered params and did not reach "
+                f"DeepSpeed's partitions (which would free data the graph needs). Update them when no graph "
+                f"holds them (after its last backward), or use policy \"regather\".")
+        return None
+
+    return partition
