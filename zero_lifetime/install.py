@@ -93,7 +93,7 @@ class Installation:
 
         self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
         # A torch.autograd.grad (scope open, nothing accumulating) reduces nothing.
-        self.grad_guard.run_leaf_hooks_only_when(lambda: self._accumulating or not self.scope.open)
+        self.grad_guard.run_leaf_hooks_only_when(self._pass_accumulates)
         if self.stage == 3:
             from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
@@ -179,7 +179,9 @@ class Installation:
                     finally:
                         self.lifetime.end()
             # DeepSpeed attached its output hook managers inside the original forward.
-            self._latest_forward.set_managers(self.backward.output_hook_managers(_tensors_in(output)))
+            managers = self.backward.output_hook_managers(_tensors_in(output))
+            self._latest_forward.set_managers(managers)
+            self.backward.scale_outputs_only_when(managers, self._pass_accumulates)
             return output
 
         return forward
@@ -322,6 +324,11 @@ class Installation:
             self._entered_via_outputs = False
             self._entry_forward = None
             self.scope.enter()
+
+    def _pass_accumulates(self) -> bool:
+        """False inside a torch.autograd.grad through this engine (scope open, nothing
+        accumulating); True in a backward, and where no pass of ours is open."""
+        return self._accumulating or not self.scope.open
 
     def _task_accumulates(self) -> bool:
         """Does the running graph task write any param's .grad (backward, not autograd.grad)?"""

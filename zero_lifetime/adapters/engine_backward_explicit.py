@@ -78,6 +78,10 @@ class ExplicitEngineBackward(EngineBackwardBase):
         pass
 
     @staticmethod
+    def scale_outputs_only_when(managers, should_scale) -> None:
+        pass  # engine.backward(loss) divides the loss itself; nothing else is scaled
+
+    @staticmethod
     def suppress_output_hooks(managers) -> None:
         pass
 

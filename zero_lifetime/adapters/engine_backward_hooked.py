@@ -26,7 +26,9 @@ class HookedEngineBackward(EngineBackwardBase):
         require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
         from deepspeed.runtime.utils import OutputBackwardHookManager
         # An instance attribute: probe a fresh manager (construction has no side effects).
-        require(OutputBackwardHookManager(lambda: None), "preprocess_done", "the output-hook once flag")
+        probe = OutputBackwardHookManager(lambda: None)
+        require(probe, "preprocess_done", "the output-hook once flag")
+        require(probe, "preprocess_per_tensor_fn", "the output-hook per-tensor gradient scaling")
 
     @property
     def _state(self):
@@ -64,6 +66,17 @@ class HookedEngineBackward(EngineBackwardBase):
         for manager in managers:
             manager.preprocess_done = True
 
+    @staticmethod
+    def scale_outputs_only_when(managers, should_scale) -> None:
+        """DeepSpeed's output hooks divide each output's gradient by gradient_accumulation_steps
+        in every pass through them, so a torch.autograd.grad through the outputs (an input
+        gradient, a gradient penalty's inner gradient, GradNorm) returned gradients divided
+        by it. The division runs only when ``should_scale()`` (a pass that accumulates .grad)."""
+        for manager in managers:
+            scale = manager.preprocess_per_tensor_fn
+            if scale is not None:
+                manager.preprocess_per_tensor_fn = _scaling_only_when(scale, should_scale)
+
     def run_prologue(self) -> None:
         """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
         self.engine._backward_prologue()
@@ -84,3 +97,11 @@ class HookedEngineBackward(EngineBackwardBase):
 
     def restore(self) -> None:
         """Nothing patched."""
+
+
+def _scaling_only_when(scale, should_scale):
+
+    def scale_if_accumulating(grad):
+        return scale(grad) if should_scale() else grad
+
+    return scale_if_accumulating
