@@ -416,23 +416,24 @@ def test_pin_budget_falls_back_to_regather():
     assert zero_lifetime.stats(engine)["peak_pinned_bytes"] <= budget
 
 
+def _penalty_loss(model, x):
+    """A loss plus a gradient penalty: autograd.grad(create_graph=True), then a backward through it."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    return out.mean() + grad_x.pow(2).sum()
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradient_penalty(stage):
     """autograd.grad(create_graph=True), then backward through the result (fails on stock)."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     zero_lifetime.install(engine)
-
-    def penalty_step(model, x):
-        x = x.clone().requires_grad_(True)
-        out = model(x)
-        (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-        return out.mean() + grad_x.pow(2).sum()
-
     for step in range(2):
         x = make_input("mlp_norm", step)
-        _backward(engine, penalty_step(engine, x))
+        _backward(engine, _penalty_loss(engine, x))
         engine.step()
-        penalty_step(reference, x).backward()
+        _penalty_loss(reference, x).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     assert_weights_match(engine, reference)
@@ -471,18 +472,11 @@ def test_gradient_penalty_with_gradient_accumulation(stage):
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2,
                                            config={"optimizer": {"type": "SGD", "params": {"lr": lr}}})
     zero_lifetime.install(engine)
-
-    def penalty_loss(model, x):
-        x = x.clone().requires_grad_(True)
-        out = model(x)
-        (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-        return out.mean() + grad_x.pow(2).sum()
-
     for micro in range(4):
         x = make_input("mlp_norm", micro)
-        engine.backward(penalty_loss(engine, x))
+        engine.backward(_penalty_loss(engine, x))
         engine.step()
-        (penalty_loss(reference, x) / 2).backward()
+        (_penalty_loss(reference, x) / 2).backward()
         if micro % 2 == 1:
             ref_opt.step()
             ref_opt.zero_grad()
