@@ -38,11 +38,7 @@ class Zero3Lifetime:
         self._counters_after_forward = []
         self._counters_consumed = False  # a backward over the latest forward has run
 
-        # A GatheredParameters context (logging, an EMA copy) must not free what a graph pinned.
         self._pinned_stay = None
-        if tracker.policy == "pin":
-            names = {id(p): n for n, p in engine.module.named_parameters()}
-            self._pinned_stay = PinnedParamsStayGathered(self.params.values(), names)
         tracker.set_available_status(Zero3Params.AVAILABLE)
         tracker.set_callbacks(self._gather_for_unpack, Zero3Params.pin, self._on_unpinned)
         for param in self.params.values():
@@ -56,6 +52,11 @@ class Zero3Lifetime:
             if own:
                 self._hook_handles.append(module.register_forward_pre_hook(self._note_gathered_hook(own),
                                                                            prepend=False))
+        # Last, so nothing after it can fail with the params' partition() replaced: a
+        # GatheredParameters context (logging, an EMA copy) must not free what a graph pinned.
+        if tracker.policy == "pin":
+            names = {id(p): n for n, p in engine.module.named_parameters()}
+            self._pinned_stay = PinnedParamsStayGathered(self.params.values(), names)
 
     # ---- forward ----------------------------------------------------------------
 

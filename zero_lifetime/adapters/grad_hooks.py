@@ -47,9 +47,6 @@ class LeafHookGate:
             hooks[handle.id] = gated
             self._gated.append((hooks, handle.id, original, gated))
 
-    def __len__(self) -> int:
-        return len(self._gated)
-
     def undo(self) -> None:
         for hooks, hook_id, original, gated in self._gated:
             if hooks.get(hook_id) is gated:
