@@ -1,0 +1,102 @@
+"""Training patterns users run on DeepSpeed, installed, against plain torch (1 rank, stages 1-3).
+
+Each was first tried as a scratch test (docs/reliability.md, "User patterns the suite did not
+reach"); they passed installed and are kept so that they stay so.
+"""
+
+import pytest
+import torch
+
+import zero_lifetime
+from harness import TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
+
+SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
+                                       reason="DeepSpeed 0.17.6 reduces only inside engine.backward(loss)")
+
+
+def _finish(engine, reference, ref_opt, stage):
+    engine.step()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    if stage == 3:
+        assert released_state(engine) == ([], [])
+
+
+@needs_torch_style
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_cache(stage):
+    """GradCache (sentence-transformers' cached losses): representations without grad, the
+    loss's gradient for them, then per chunk a forward with grad and a backward of the cached
+    gradient through its outputs (torch.autograd.backward with grad_tensors). Stock ZeRO-1/2
+    keep only the last chunk's gradients."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, config=SMALL_LR)
+    zero_lifetime.install(engine)
+    for step in range(3):
+        chunks = [make_input("mlp_norm", 10 * step + c) for c in range(3)]
+        for model in (engine, reference):
+            with torch.no_grad():
+                reps = [model(chunk).requires_grad_(True) for chunk in chunks]
+            everything = torch.cat(reps)
+            (everything @ everything.t()).logsumexp(dim=1).mean().backward()
+            for chunk, rep in zip(chunks, reps):
+                torch.autograd.backward([model(chunk)], [rep.grad])
+        _finish(engine, reference, ref_opt, stage)
+
+
+@needs_torch_style
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_backward_for_some_params_only(stage):
+    """loss.backward(inputs=[...]): only the head learns (the rest gets no gradient in torch;
+    DeepSpeed a zero one, which plain SGD does not move)."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+    for step in range(3):
+        x = make_input("mlp_norm", step)
+        losses(engine(x))[0].backward(inputs=list(engine.module.l2.parameters()))
+        losses(reference(x))[0].backward(inputs=list(reference.l2.parameters()))
+        _finish(engine, reference, ref_opt, stage)
+
+
+@needs_torch_style
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_autocast_bf16_two_backwards(stage):
+    """torch.autocast over the forward (bf16 on the CPU), two retained backwards."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+    for step in range(3):
+        x = make_input("mlp_norm", step)
+        for model in (engine, reference):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                first, second = losses(model(x).float())
+            first.backward(retain_graph=True)
+            second.backward()
+        engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_weights_match(engine, reference, atol=1e-2, rtol=1e-2)  # both run bf16 matmuls
+    if stage == 3:
+        assert released_state(engine) == ([], [])
+
+
+@needs_torch_style
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_users_full_backward_hook_sees_torchs_gradients(stage):
+    """A module's full backward hook (gradient monitoring) over two retained backwards gets
+    the gradients torch's does."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+    seen = {"engine": [], "torch": []}
+    engine.module.l2.register_full_backward_hook(lambda m, gi, go: seen["engine"].append(go[0].clone()))
+    reference.l2.register_full_backward_hook(lambda m, gi, go: seen["torch"].append(go[0].clone()))
+    for step in range(2):
+        x = make_input("mlp_norm", step)
+        for model in (engine, reference):
+            first, second = losses(model(x))
+            first.backward(retain_graph=True)
+            second.backward()
+        _finish(engine, reference, ref_opt, stage)
+    assert len(seen["engine"]) == len(seen["torch"]) == 4
+    for got, want in zip(seen["engine"], seen["torch"]):
+        torch.testing.assert_close(got, want)
