@@ -30,7 +30,7 @@ def test_gradient_cache(stage):
     """GradCache (sentence-transformers' cached losses): representations without grad, the
     loss's gradient for them, then per chunk a forward with grad and a backward of the cached
     gradient through its outputs (torch.autograd.backward with grad_tensors). Stock ZeRO-1/2
-    keep only the last chunk's gradients."""
+    train off torch here."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage, config=SMALL_LR)
     zero_lifetime.install(engine)
     for step in range(3):
