@@ -120,12 +120,10 @@ KINDS = ["single", "two_backwards", "two_backwards_zero_grad", "grad_input_then_
 # in a forward's first backward pass: a later backward through that forward reduces none.
 PER_FORWARD_RELEASE = DS_VERSION == "0.17.6"
 # (A gradient for an expert's weight alone does not reach the module's inputs' hooks.)
+UNSUPPORTED_ON_0176 = {"two_backwards", "two_backwards_zero_grad", "grad_input_then_backward", "gradient_penalty"}
 # Stock 0.17.6's fast sharding (leaf modules by threshold) fails on the CPU accelerator in its first
 # forward ("Invalid device string: '0'", torch.device of the bare device index).
 THRESHOLD_RUNS_HERE = DS_VERSION != "0.17.6"
-UNSUPPORTED_ON_0176 = {"two_backwards", "two_backwards_zero_grad", "grad_input_then_backward", "gradient_penalty"}
-
-
 _BY_THRESHOLD = pytest.mark.skipif(not THRESHOLD_RUNS_HERE, reason="stock 0.17.6 fails by threshold on the CPU")
 
 
