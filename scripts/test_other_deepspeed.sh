@@ -20,5 +20,5 @@ ENGINE_TESTS=(tests/test_retain_graph.py tests/test_install_api.py tests/test_gr
   tests/test_unreached_params.py tests/test_several_forwards.py tests/test_fp16_loss_scale.py
   tests/test_adapter_boundary.py tests/test_gan.py tests/test_compile.py tests/test_stale_graph.py
   tests/test_lifetime_programs.py tests/test_bench_cli.py tests/test_zero3_leaf_modules.py
-  tests/test_gathered_parameters.py tests/test_user_patterns.py)
+  tests/test_gathered_parameters.py tests/test_user_patterns.py tests/test_chained_engines.py)
 ZL_DEEPSPEED=$release exec bash scripts/test.sh "${ENGINE_TESTS[@]}" "$@"

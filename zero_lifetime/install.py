@@ -13,6 +13,7 @@ from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .adapters.patching import Patches
 from .backward_scope import BackwardScope
+from .chained_engines import ChainedInputs, OutputDivision
 from .reporting import StatsReporter, get_logger
 
 logger = get_logger()
@@ -79,6 +80,7 @@ class Installation:
         self.tracker = None
         self.grad_guard = self.lifetime = self.fused = self.trace = self.teardown = None
         self.accumulation = self.bucket_fill = self.window = None
+        self.chained = None  # undoes this engine's output division on engine outputs it is fed
         try:
             self.backward = make_engine_backward(engine)
             self._install_components(engine, policy, max_pinned_bytes, check_bucket_order)
@@ -122,6 +124,8 @@ class Installation:
         # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
         for param in self._trainable:
             self._handles.append(param.register_hook(self._make_before_accumulate(param)))
+        if self.backward.supports_torch_style_backward:  # the path whose output hooks divide
+            self.chained = ChainedInputs(engine, lambda t: bool(self.backward.output_hook_managers((t,))))
         self._patch("forward", self._forward)
         self._patch("backward", self._backward)
         self._patch("zero_grad", self._zero_grad)
@@ -168,6 +172,9 @@ class Installation:
 
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
+            division = OutputDivision()
+            if self.chained is not None:
+                args, kwargs = self.chained.undo_division_on_inputs(args, kwargs, division)
             with self._engine_call():
                 if self.lifetime is None:
                     output = original(*args, **kwargs)
@@ -179,9 +186,12 @@ class Installation:
                     finally:
                         self.lifetime.end()
             # DeepSpeed attached its output hook managers inside the original forward.
-            managers = self.backward.output_hook_managers(_tensors_in(output))
+            tensors = list(_tensors_in(output))
+            managers = self.backward.output_hook_managers(tensors)
             self._latest_forward.set_managers(managers)
-            self.backward.scale_outputs_only_when(managers, self._pass_accumulates)
+            self.backward.scale_outputs_only_when(managers, self._pass_accumulates, division.note)
+            if self.chained is not None:
+                self.chained.mark_outputs(tensors)
             return output
 
         return forward

@@ -78,7 +78,7 @@ class ExplicitEngineBackward(EngineBackwardBase):
         pass
 
     @staticmethod
-    def scale_outputs_only_when(managers, should_scale) -> None:
+    def scale_outputs_only_when(managers, should_scale, on_divided) -> None:
         pass  # engine.backward(loss) divides the loss itself; nothing else is scaled
 
     @staticmethod

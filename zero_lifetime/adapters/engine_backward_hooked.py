@@ -67,15 +67,16 @@ class HookedEngineBackward(EngineBackwardBase):
             manager.preprocess_done = True
 
     @staticmethod
-    def scale_outputs_only_when(managers, should_scale) -> None:
+    def scale_outputs_only_when(managers, should_scale, on_divided) -> None:
         """DeepSpeed's output hooks divide each output's gradient by gradient_accumulation_steps
         in every pass through them, so a torch.autograd.grad through the outputs (an input
         gradient, a gradient penalty's inner gradient, GradNorm) returned gradients divided
-        by it. The division runs only when ``should_scale()`` (a pass that accumulates .grad)."""
+        by it. The division runs only when ``should_scale()`` (a pass that accumulates .grad);
+        ``on_divided()`` is called each time it did divide."""
         for manager in managers:
             scale = manager.preprocess_per_tensor_fn
             if scale is not None:
-                manager.preprocess_per_tensor_fn = _scaling_only_when(scale, should_scale)
+                manager.preprocess_per_tensor_fn = _scaling_only_when(scale, should_scale, on_divided)
 
     def run_prologue(self) -> None:
         """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
@@ -99,9 +100,16 @@ class HookedEngineBackward(EngineBackwardBase):
         """Nothing patched."""
 
 
-def _scaling_only_when(scale, should_scale):
+def _scaling_only_when(scale, should_scale, on_divided):
 
     def scale_if_accumulating(grad):
-        return scale(grad) if should_scale() else grad
+        if not should_scale():
+            return grad
+        scaled = scale(grad)
+        # DeepSpeed hands the gradient itself back when it does not divide: inside
+        # engine.backward(loss), which divided the loss already (its graph tracker).
+        if scaled is not grad:
+            on_divided()
+        return scaled
 
     return scale_if_accumulating

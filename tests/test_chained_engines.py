@@ -1,0 +1,158 @@
+"""Engines fed DeepSpeed engines' outputs, with gradient accumulation, against plain torch.
+
+An encoder engine E feeds a head engine H (each its own DeepSpeed engine, 1 rank), or one
+engine is fed its own earlier output. On the torch-style path DeepSpeed divides the gradient
+at every engine's outputs by its gradient_accumulation_steps, so the gradient reaching E had
+been divided twice (E trained on a quarter of torch's gradient with GAS 2, silently).
+The oracle: the same models in plain torch, ``(loss / GAS).backward()`` per micro step and
+one SGD step per window.
+"""
+
+import copy
+import gc
+
+import deepspeed
+import pytest
+import torch
+
+import zero_lifetime
+from harness import BACKWARD_PATHS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config, full_weights, released_state
+
+LR, WINDOWS = 0.1, 2
+PATHS = BACKWARD_PATHS + (["scale"] if TORCH_STYLE_BACKWARD else [])
+
+
+def _encoder_and_head():
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1))
+    return encoder, head
+
+
+def _batch(micro_step, features=4):
+    return torch.randn(4, features, generator=torch.Generator().manual_seed(100 + micro_step))
+
+
+def _engine(model, stage, gas, install):
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=LR, gas=gas),
+                                      model_parameters=model.parameters())
+    if install:
+        zero_lifetime.install(engine)
+    return engine
+
+
+def _backward(engine, loss, path):
+    if path == "engine":
+        engine.backward(loss)
+    elif path == "manual":
+        loss.backward()
+    else:
+        engine.scale(loss).backward()
+
+
+# Losses over (encoder, head, x): through both engines, or also straight off the encoder's
+# output (the part of E's gradient that never passes H must stay divided once).
+LOSSES = {
+    "through_head": lambda encoder, head, x: head(encoder(x)).pow(2).mean(),
+    "head_and_encoder_output": lambda encoder, head, x: (
+        lambda features: head(features).pow(2).mean() + 0.5 * features.pow(2).mean())(encoder(x)),
+}
+
+
+def _train_chain(stage, gas, path, loss_name, install):
+    encoder, head = _encoder_and_head()
+    references = copy.deepcopy(encoder), copy.deepcopy(head)
+    engines = [_engine(model, stage, gas, install) for model in (encoder, head)]
+    optimizer = torch.optim.SGD([p for r in references for p in r.parameters()], lr=LR)
+    loss_of = LOSSES[loss_name]
+    for micro_step in range(WINDOWS * gas):
+        x = _batch(micro_step)
+        _backward(engines[1], loss_of(*engines, x), path)
+        for engine in engines:
+            engine.step()
+        (loss_of(*references, x) / gas).backward()
+        if (micro_step + 1) % gas == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return engines, references
+
+
+CHAIN_CASES = [(stage, path, "through_head") for stage in (1, 2, 3) for path in PATHS] + [
+    (stage, "manual", "head_and_encoder_output") for stage in (1, 2, 3) if "manual" in PATHS]
+
+
+@pytest.mark.parametrize("stage, path, loss_name", CHAIN_CASES, ids=["-".join(map(str, c)) for c in CHAIN_CASES])
+def test_chained_engines_match_torch_with_gradient_accumulation(stage, path, loss_name):
+    engines, references = _train_chain(stage, 2, path, loss_name, install=True)
+    for engine, reference, initial in zip(engines, references, _encoder_and_head()):
+        assert_weights_match(engine, reference)
+        moved = max((got - start.detach()).abs().max().item()
+                    for got, start in zip(full_weights(engine), initial.parameters()))
+        assert moved > 1e-3  # both engines trained
+        if stage == 3:
+            gc.collect()
+            assert released_state(engine) == ([], [])
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("gas", [2, 4])
+def test_chained_engines_with_another_gradient_accumulation(gas):
+    engines, references = _train_chain(3, gas, "manual", "through_head", install=True)
+    for engine, reference in zip(engines, references):
+        assert_weights_match(engine, reference)
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stock_divides_the_encoder_gradient_twice(stage):
+    """Negative control: stock DeepSpeed's encoder took half of torch's update (GAS 2), the
+    head (fed the encoder's off features from the second window on) is off too."""
+    encoder_engine, head_engine = _train_chain(stage, 2, "manual", "through_head", install=False)[0]
+    installed_encoder = _train_chain(stage, 2, "manual", "through_head", install=True)[0][0]
+    initial = _encoder_and_head()[0]
+    stock_moves = [got - start.detach() for got, start in zip(full_weights(encoder_engine), initial.parameters())]
+    torch_moves = [got - start.detach() for got, start in zip(full_weights(installed_encoder), initial.parameters())]
+    for stock_move, torch_move in zip(stock_moves, torch_moves):
+        assert stock_move.abs().max() < 0.6 * torch_move.abs().max(), (stock_move, torch_move)
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_engine_fed_its_own_output(stage):
+    """loss = M(M(x)): the inner call's share of M's gradient passed M's outputs twice."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    engine = _engine(model, stage, 2, install=True)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for micro_step in range(WINDOWS * 2):
+        x = _batch(micro_step)
+        engine(engine(x)).pow(2).mean().backward()
+        engine.step()
+        (reference(reference(x)).pow(2).mean() / 2).backward()
+        if micro_step % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_weights_match(engine, reference)
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_input_gradients_through_the_chain(stage):
+    """The data input's gradient: divided once by a training backward (torch's (loss / GAS)),
+    not at all by torch.autograd.grad; the multiplication back runs in neither."""
+    encoder, head = _encoder_and_head()
+    ref_encoder, ref_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    engines = [_engine(model, stage, 2, install=True) for model in (encoder, head)]
+    x, ref_x = _batch(0).requires_grad_(), _batch(0).requires_grad_()
+    loss = LOSSES["through_head"](*engines, x)
+    ref_loss = LOSSES["through_head"](ref_encoder, ref_head, ref_x)
+    got = torch.autograd.grad(loss, [x], retain_graph=True)[0]
+    want = torch.autograd.grad(ref_loss, [ref_x], retain_graph=True)[0]
+    torch.testing.assert_close(got, want)
+    loss.backward()
+    (ref_loss / 2).backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    for engine in engines:
+        engine.step()
