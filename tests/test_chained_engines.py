@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zero_lifetime
+from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from harness import BACKWARD_PATHS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config, full_weights, released_state
 
 LR, WINDOWS = 0.1, 2
@@ -84,6 +85,12 @@ CHAIN_CASES = [(stage, path, "through_head") for stage in (1, 2, 3) for path in 
 
 @pytest.mark.parametrize("stage, path, loss_name", CHAIN_CASES, ids=["-".join(map(str, c)) for c in CHAIN_CASES])
 def test_chained_engines_match_torch_with_gradient_accumulation(stage, path, loss_name):
+    if not TORCH_STYLE_BACKWARD:
+        # 0.17.6 reduces only inside an engine's own backward: the encoder's gradients from
+        # the head's engine.backward are refused at the first one, with the way out.
+        with pytest.raises(UnsupportedDeepSpeedError, match="another engine's backward"):
+            _train_chain(stage, 2, path, loss_name, install=True)
+        return
     engines, references = _train_chain(stage, 2, path, loss_name, install=True)
     for engine, reference, initial in zip(engines, references, _encoder_and_head()):
         assert_weights_match(engine, reference)
