@@ -190,3 +190,44 @@ def test_chained_engines_each_divide_by_their_own_gradient_accumulation(stage):
                 optimizer.zero_grad()
     for engine, reference in zip(engines, references):
         assert_weights_match(engine, reference)
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("zero_grad", [False, True], ids=["sum", "zero_grad_between"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_chained_engines_two_backwards_over_one_forward(stage, zero_grad):
+    """GAS 2, two retained backwards per micro step; the second loss also reads the encoder's
+    output directly. torch: zero_grad() between them drops the window so far."""
+    encoder, head = _encoder_and_head()
+    references = copy.deepcopy(encoder), copy.deepcopy(head)
+    engines = [_engine(model, stage, 2, install=True) for model in (encoder, head)]
+    optimizer = torch.optim.SGD([p for r in references for p in r.parameters()], lr=LR)
+
+    def two_losses(encoder, head, x):
+        features = encoder(x)
+        out = head(features)
+        return out.pow(2).mean(), (0.3 * out + 0.1 * features.sum(-1, keepdim=True)).mean()
+
+    for micro_step in range(WINDOWS * 2):
+        x = _batch(micro_step)
+        first, second = two_losses(*engines, x)
+        first.backward(retain_graph=True)
+        if zero_grad:
+            for engine in engines:
+                engine.zero_grad()
+        second.backward()
+        for engine in engines:
+            engine.step()
+        first, second = two_losses(*references, x)
+        (first / 2).backward(retain_graph=True)
+        if zero_grad:
+            optimizer.zero_grad()
+        (second / 2).backward()
+        if micro_step % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    for engine, reference in zip(engines, references):
+        assert_weights_match(engine, reference)
+        if stage == 3:
+            gc.collect()
+            assert released_state(engine) == ([], [])
