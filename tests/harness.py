@@ -235,20 +235,29 @@ def grad_and_backward(model, backward, weight, x, wrt: str):
 
 def backward_both(engine, l1, l2, path: str, zero_grad: bool):
     """Backward l1 (graph retained), then l2, through the engine, the manual or the scale path."""
-    if path == "engine":
-        engine.backward(l1, retain_graph=True)
-    elif path == "manual":
-        l1.backward(retain_graph=True)
-    else:
-        engine.scale(l1, retain_graph=True).backward(retain_graph=True)
+    backward_by(engine, l1, path, retain_graph=True)
     if zero_grad:
         engine.zero_grad()
+    backward_by(engine, l2, path)
+
+
+def backward_by(engine, loss, path: str, retain_graph: bool = False):
+    """One backward of ``loss`` on ``path``: "engine" (engine.backward), "manual"
+    (loss.backward()) or "scale" (engine.scale(loss).backward())."""
+    kwargs = {"retain_graph": True} if retain_graph else {}
     if path == "engine":
-        engine.backward(l2)
+        engine.backward(loss, **kwargs)
     elif path == "manual":
-        l2.backward()
+        loss.backward(**kwargs)
     else:
-        engine.scale(l2).backward()
+        engine.scale(loss, **kwargs).backward(**kwargs)
+
+
+def assert_moved(engine, initial_model, by: float = 1e-3):
+    """The engine's weights moved away from ``initial_model``'s (it trained)."""
+    moved = max((got - start.detach()).abs().max().item()
+                for got, start in zip(full_weights(engine), initial_model.parameters()))
+    assert moved > by, moved
 
 
 def train_step(engine, reference, ref_opt, model_name: str, step: int, backwards: int, path: str, zero_grad: bool):
