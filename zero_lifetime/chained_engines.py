@@ -2,13 +2,14 @@
 accumulation once, not once per engine they pass on the way back.
 
 On the torch-style path (``loss.backward()``), DeepSpeed 0.18.9 and 0.19.8 divide the gradient
-flowing back through an engine's forward outputs by that engine's gradient_accumulation_steps.
+flowing back through an engine's forward outputs by that engine's gradient_accumulation_steps
+(0.18.9's ``engine.backward(loss)`` too: it divides at the outputs, not the loss).
 When engine B is fed engine A's output (an encoder engine feeding a head engine, a GAN's G
 feeding a D whose params take gradients in G's step, an engine fed its own earlier output), the
 gradient reaching A's params has passed B's outputs and then A's: with GAS 2 on both, A trained
 on a quarter of the loss's gradient instead of the half that torch's ``(loss / 2).backward()``
-gives, silently, installed or not. ``engine.backward(loss)`` divides the loss once instead, and
-was right.
+gives, silently, installed or not. 0.19.8's ``engine.backward(loss)`` divides the loss once
+instead (its hooks stand aside), and was right.
 
 B multiplies the gradient leaving it through such an input back by its own GAS, in the passes
 where the hooks on that forward's outputs divided. Only inputs that are DeepSpeed engines'
