@@ -106,8 +106,8 @@ def _scaling_only_when(scale, should_scale, on_divided):
         if not should_scale():
             return grad
         scaled = scale(grad)
-        # DeepSpeed hands the gradient itself back when it does not divide: inside
-        # engine.backward(loss), which divided the loss already (its graph tracker).
+        # DeepSpeed hands the gradient itself back when it does not divide: 0.19.8 inside
+        # engine.backward(loss), which divided the loss already; 0.18.9 with scale_wrt_gas=False.
         if scaled is not grad:
             on_divided()
         return scaled
