@@ -51,6 +51,11 @@ LOSSES = {
     "through_head": lambda encoder, head, x: head(encoder(x)).pow(2).mean(),
     "head_and_encoder_output": lambda encoder, head, x: (
         lambda features: head(features).pow(2).mean() + 0.5 * features.pow(2).mean())(encoder(x)),
+    # The encoder's output changed on the way (and gone as a tensor when the head runs): an
+    # activation; a slice concatenated with labels that need no gradient (a conditional GAN's D).
+    "through_activation": lambda encoder, head, x: head(torch.tanh(encoder(x))).pow(2).mean(),
+    "through_slice_and_labels": lambda encoder, head, x: head(
+        torch.cat([encoder(x)[:, :6], (x[:, :2] > 0).float()], dim=1)).pow(2).mean(),
 }
 
 
@@ -73,7 +78,8 @@ def _train_chain(stage, gas, path, loss_name, install):
 
 
 CHAIN_CASES = [(stage, path, "through_head") for stage in (1, 2, 3) for path in PATHS] + [
-    (stage, "manual", "head_and_encoder_output") for stage in (1, 2, 3) if "manual" in PATHS]
+    (stage, "manual", loss) for stage in (1, 2, 3) if "manual" in PATHS
+    for loss in ("head_and_encoder_output", "through_activation", "through_slice_and_labels")]
 
 
 @pytest.mark.parametrize("stage, path, loss_name", CHAIN_CASES, ids=["-".join(map(str, c)) for c in CHAIN_CASES])

@@ -12,16 +12,23 @@ gives, silently, installed or not. 0.19.8's ``engine.backward(loss)`` divides th
 instead (its hooks stand aside), and was right.
 
 B multiplies the gradient leaving it through such an input back by its own GAS, in the passes
-where the hooks on that forward's outputs divided. Only inputs that are DeepSpeed engines'
-outputs are undone: the gradient of any other input (data, an embedding computed outside the
-engines) stays divided, as torch's ``(loss / GAS).backward()`` has it.
+where the hooks on that forward's outputs divided. Only inputs whose whole gradient goes on into
+one engine's output are undone: the output itself, or what one chain of ops made of it alone
+(pooled, sliced, an activation, concatenated with labels). The gradient of any other input
+(data, an embedding computed outside the engines) stays divided, as torch's
+``(loss / GAS).backward()`` has it; so does an input mixed from an engine output and something
+else that needs a gradient, whose shares cannot be told apart at B's input.
 """
 
 import torch
 
-# Set on every output tensor of an installed engine's forward. DeepSpeed's own mark (its hook
-# managers) sits on the first output tensor only; it still finds a stock engine's output.
-ENGINE_OUTPUT_MARK = "_zero_lifetime_engine_output"
+# Autograd node metadata of each output of an installed engine's forward: the output numbers
+# (of that node) that are engine outputs. Nodes take neither attributes nor weak references,
+# and the output tensor may be gone (a temporary) when the next engine sees what came of it.
+ENGINE_OUTPUT_MARK = "zero_lifetime_engine_output"
+# Nodes walked back from an input looking for an engine output: a pooling or an activation
+# between two engines is a few nodes; a long walk means the input came from elsewhere.
+MAX_NODES_WALKED = 64
 
 
 class OutputDivision:
@@ -48,9 +55,9 @@ class ChainedInputs:
         self._is_deepspeed_output = is_deepspeed_output  # the adapter's: DeepSpeed's mark
 
     def undo_division_on_inputs(self, args, kwargs, division: OutputDivision):
-        """``args`` and ``kwargs`` with each engine-output tensor among them (in lists, tuples
-        and dicts too) replaced by a view whose gradient is multiplied back by this engine's
-        GAS in the passes where ``division`` happened."""
+        """``args`` and ``kwargs`` with each tensor among them (in lists, tuples and dicts too)
+        whose gradient goes on into an engine's output replaced by a view whose gradient is
+        multiplied back by this engine's GAS in the passes where ``division`` happened."""
         factor = self._engine.gradient_accumulation_steps()
         if factor == 1:
             return args, kwargs
@@ -73,13 +80,17 @@ class ChainedInputs:
     @staticmethod
     def mark_outputs(tensors) -> None:
         for tensor in tensors:
-            if tensor.grad_fn is not None:
-                setattr(tensor, ENGINE_OUTPUT_MARK, True)
+            node = tensor.grad_fn
+            if node is not None:
+                node.metadata.setdefault(ENGINE_OUTPUT_MARK, set()).add(tensor.output_nr)
 
     def _is_engine_output(self, tensor) -> bool:
+        """All of the gradient flowing into ``tensor`` goes on into one engine's output."""
         if not tensor.requires_grad or tensor.grad_fn is None:
             return False
-        return getattr(tensor, ENGINE_OUTPUT_MARK, False) or self._is_deepspeed_output(tensor)
+        if self._is_deepspeed_output(tensor):  # a stock engine's (first) output
+            return True
+        return _chain_ends_at_engine_output(tensor.grad_fn, tensor.output_nr)
 
     @staticmethod
     def _undone(tensor, factor, division):
@@ -92,3 +103,16 @@ class ChainedInputs:
 
         view.register_hook(multiply_back)
         return view
+
+
+def _chain_ends_at_engine_output(node, output_nr) -> bool:
+    """Walk back from output ``output_nr`` of ``node`` while each node has one input that needs
+    a gradient; True on reaching a marked engine output."""
+    for _ in range(MAX_NODES_WALKED):
+        if output_nr in node.metadata.get(ENGINE_OUTPUT_MARK, ()):
+            return True
+        inputs = [(parent, nr) for parent, nr in node.next_functions if parent is not None]
+        if len(inputs) != 1:
+            return False  # a leaf (no inputs), or a mix of several
+        node, output_nr = inputs[0]
+    return False
