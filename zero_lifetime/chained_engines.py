@@ -109,8 +109,9 @@ def _chain_ends_at_engine_output(node, output_nr) -> bool:
     """Walk back from output ``output_nr`` of ``node`` while each node has one input that needs
     a gradient; True on reaching a marked engine output."""
     for _ in range(MAX_NODES_WALKED):
-        if output_nr in node.metadata.get(ENGINE_OUTPUT_MARK, ()):
-            return True
+        marked = node.metadata.get(ENGINE_OUTPUT_MARK)
+        if marked is not None:  # an engine's last op: past it lies that engine's inside
+            return output_nr in marked
         inputs = [(parent, nr) for parent, nr in node.next_functions if parent is not None]
         if len(inputs) != 1:
             return False  # a leaf (no inputs), or a mix of several
