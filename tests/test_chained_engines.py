@@ -235,3 +235,35 @@ def test_chained_engines_two_backwards_over_one_forward(stage, zero_grad):
         if stage == 3:
             gc.collect()
             assert released_state(engine) == ([], [])
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shared_encoder_feeding_two_head_engines(stage):
+    """Multi-task: one encoder engine, two head engines (one fed the features through a relu),
+    GAS 2 on all three: each head's share of the encoder's gradient multiplied back by its own
+    head, the encoder dividing the sum once."""
+    encoder, first_head = _encoder_and_head()
+    second_head = copy.deepcopy(first_head)
+    with torch.no_grad():
+        for param in second_head.parameters():
+            param.mul_(0.5)
+    references = [copy.deepcopy(model) for model in (encoder, first_head, second_head)]
+    engines = [_engine(model, stage, 2, install=True) for model in (encoder, first_head, second_head)]
+    optimizer = torch.optim.SGD([p for r in references for p in r.parameters()], lr=LR)
+
+    def loss_of(encoder, first_head, second_head, x):
+        features = encoder(x)
+        return first_head(features).pow(2).mean() + second_head(torch.relu(features)).abs().mean()
+
+    for micro_step in range(WINDOWS * 2):
+        x = _batch(micro_step)
+        loss_of(*engines, x).backward()
+        for engine in engines:
+            engine.step()
+        (loss_of(*references, x) / 2).backward()
+        if micro_step % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    for engine, reference in zip(engines, references):
+        assert_weights_match(engine, reference)
