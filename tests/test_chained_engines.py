@@ -77,6 +77,18 @@ def _train_chain(stage, gas, path, loss_name, install):
     return engines, references
 
 
+def _assert_match_torch(engines, references, stage, initial=None):
+    """Each engine's weights are its torch copy's (and moved from ``initial``'s); on ZeRO-3
+    nothing is left gathered."""
+    for k, (engine, reference) in enumerate(zip(engines, references)):
+        assert_weights_match(engine, reference)
+        if initial is not None:
+            assert_moved(engine, initial[k])
+        if stage == 3:
+            gc.collect()
+            assert released_state(engine) == ([], [])
+
+
 CHAIN_CASES = [(stage, path, "through_head") for stage in (1, 2, 3) for path in PATHS] + [
     (stage, "manual", loss) for stage in (1, 2, 3) if "manual" in PATHS
     for loss in ("head_and_encoder_output", "through_activation", "through_slice_and_labels")]
@@ -91,20 +103,13 @@ def test_chained_engines_match_torch_with_gradient_accumulation(stage, path, los
             _train_chain(stage, 2, path, loss_name, install=True)
         return
     engines, references = _train_chain(stage, 2, path, loss_name, install=True)
-    for engine, reference, initial in zip(engines, references, _encoder_and_head()):
-        assert_weights_match(engine, reference)
-        assert_moved(engine, initial)  # both engines trained
-        if stage == 3:
-            gc.collect()
-            assert released_state(engine) == ([], [])
+    _assert_match_torch(engines, references, stage, initial=_encoder_and_head())
 
 
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
 @pytest.mark.parametrize("gas", [2, 4])
 def test_chained_engines_with_another_gradient_accumulation(gas):
-    engines, references = _train_chain(3, gas, "manual", "through_head", install=True)
-    for engine, reference in zip(engines, references):
-        assert_weights_match(engine, reference)
+    _assert_match_torch(*_train_chain(3, gas, "manual", "through_head", install=True), stage=3)
 
 
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
@@ -145,7 +150,7 @@ def test_engine_fed_its_own_output(stage):
         if micro_step % 2 == 1:
             optimizer.step()
             optimizer.zero_grad()
-    assert_weights_match(engine, reference)
+    _assert_match_torch([engine], [reference], stage)
 
 
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
@@ -192,8 +197,7 @@ def test_chained_engines_each_divide_by_their_own_gradient_accumulation(stage):
             if (micro_step + 1) % gas == 0:
                 optimizer.step()
                 optimizer.zero_grad()
-    for engine, reference in zip(engines, references):
-        assert_weights_match(engine, reference)
+    _assert_match_torch(engines, references, stage)
 
 
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
@@ -230,11 +234,7 @@ def test_chained_engines_two_backwards_over_one_forward(stage, zero_grad):
         if micro_step % 2 == 1:
             optimizer.step()
             optimizer.zero_grad()
-    for engine, reference in zip(engines, references):
-        assert_weights_match(engine, reference)
-        if stage == 3:
-            gc.collect()
-            assert released_state(engine) == ([], [])
+    _assert_match_torch(engines, references, stage)
 
 
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
@@ -265,5 +265,4 @@ def test_shared_encoder_feeding_two_head_engines(stage):
         if micro_step % 2 == 1:
             optimizer.step()
             optimizer.zero_grad()
-    for engine, reference in zip(engines, references):
-        assert_weights_match(engine, reference)
+    _assert_match_torch(engines, references, stage)

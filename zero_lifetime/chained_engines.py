@@ -16,8 +16,9 @@ where the hooks on that forward's outputs divided. Only inputs whose whole gradi
 one engine's output are undone: the output itself, or what one chain of ops made of it alone
 (pooled, sliced, an activation, concatenated with labels). The gradient of any other input
 (data, an embedding computed outside the engines) stays divided, as torch's
-``(loss / GAS).backward()`` has it; so does an input mixed from an engine output and something
-else that needs a gradient, whose shares cannot be told apart at B's input.
+``(loss / GAS).backward()`` has it. An input mixed from an engine output and something else
+that needs a gradient is left alone too (its engine share stays divided twice, as in stock):
+the two shares cannot be told apart at B's input.
 """
 
 import torch
