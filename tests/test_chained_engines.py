@@ -33,8 +33,8 @@ def _encoder_and_head():
     return encoder, head
 
 
-def _batch(micro_step, features=4):
-    return torch.randn(4, features, generator=torch.Generator().manual_seed(100 + micro_step))
+def _batch(micro_step):
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(100 + micro_step))
 
 
 def _engine(model, stage, gas, install):
@@ -60,14 +60,20 @@ LOSSES = {
 
 
 def _train_chain(stage, gas, path, loss_name, install):
-    encoder, head = _encoder_and_head()
-    references = copy.deepcopy(encoder), copy.deepcopy(head)
-    engines = [_engine(model, stage, gas, install) for model in (encoder, head)]
+    return _train_against_torch(_encoder_and_head(), stage, gas, LOSSES[loss_name], path, install)
+
+
+def _train_against_torch(models, stage, gas, loss_of, path="manual", install=True):
+    """An engine per model (the last one's backward path taken) and a plain-torch copy of
+    each, trained side by side for WINDOWS windows: per micro step ``loss_of(*engines, x)``
+    backward and every engine's step(); torch ``(loss_of(*copies, x) / gas).backward()`` and
+    one SGD step per window. Returns (engines, copies)."""
+    references = [copy.deepcopy(model) for model in models]
+    engines = [_engine(model, stage, gas, install) for model in models]
     optimizer = torch.optim.SGD([p for r in references for p in r.parameters()], lr=LR)
-    loss_of = LOSSES[loss_name]
     for micro_step in range(WINDOWS * gas):
         x = _batch(micro_step)
-        backward_by(engines[1], loss_of(*engines, x), path)
+        backward_by(engines[-1], loss_of(*engines, x), path)
         for engine in engines:
             engine.step()
         (loss_of(*references, x) / gas).backward()
@@ -139,18 +145,8 @@ def test_engine_fed_its_own_output(stage):
     """loss = M(M(x)): the inner call's share of M's gradient passed M's outputs twice."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    reference = copy.deepcopy(model)
-    engine = _engine(model, stage, 2, install=True)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    for micro_step in range(WINDOWS * 2):
-        x = _batch(micro_step)
-        engine(engine(x)).pow(2).mean().backward()
-        engine.step()
-        (reference(reference(x)).pow(2).mean() / 2).backward()
-        if micro_step % 2 == 1:
-            optimizer.step()
-            optimizer.zero_grad()
-    _assert_match_torch([engine], [reference], stage)
+    engines, references = _train_against_torch([model], stage, 2, lambda m, x: m(m(x)).pow(2).mean())
+    _assert_match_torch(engines, references, stage)
 
 
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
@@ -248,21 +244,9 @@ def test_shared_encoder_feeding_two_head_engines(stage):
     with torch.no_grad():
         for param in second_head.parameters():
             param.mul_(0.5)
-    references = [copy.deepcopy(model) for model in (encoder, first_head, second_head)]
-    engines = [_engine(model, stage, 2, install=True) for model in (encoder, first_head, second_head)]
-    optimizer = torch.optim.SGD([p for r in references for p in r.parameters()], lr=LR)
 
     def loss_of(encoder, first_head, second_head, x):
         features = encoder(x)
         return first_head(features).pow(2).mean() + second_head(torch.relu(features)).abs().mean()
 
-    for micro_step in range(WINDOWS * 2):
-        x = _batch(micro_step)
-        loss_of(*engines, x).backward()
-        for engine in engines:
-            engine.step()
-        (loss_of(*references, x) / 2).backward()
-        if micro_step % 2 == 1:
-            optimizer.step()
-            optimizer.zero_grad()
-    _assert_match_torch(engines, references, stage)
+    _assert_match_torch(*_train_against_torch((encoder, first_head, second_head), stage, 2, loss_of), stage)

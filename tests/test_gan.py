@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import zero_lifetime
-from harness import DS_VERSION, TORCH_STYLE_BACKWARD, assert_moved, assert_weights_match, ds_config, full_weights, released_state
+from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, assert_moved, assert_weights_match, backward_by, ds_config,
+                     full_weights, released_state)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 
 STEPS, LR = 3, 0.1
@@ -52,21 +53,24 @@ def _train(G, D, g_update, d_update, freeze_d: bool, steps: int = STEPS):
             D.requires_grad_(True)
 
 
-def _engine_update(engine):
+def _engine_update(engine, path="engine"):
 
     def backward_and_step(loss):
-        engine.backward(loss)
+        backward_by(engine, loss, path)
         engine.step()
 
     return engine.zero_grad, backward_and_step
 
 
-def _torch_update(params):
-    optimizer = torch.optim.SGD(params, lr=LR)
+def _torch_update(params, gas=1):
+    """torch's gradient accumulation: (loss / gas).backward(), a step every gas-th call."""
+    optimizer, calls = torch.optim.SGD(params, lr=LR), [0]
 
     def backward_and_step(loss):
-        loss.backward()
-        optimizer.step()
+        (loss / gas).backward()
+        calls[0] += 1
+        if calls[0] % gas == 0:
+            optimizer.step()
 
     return optimizer.zero_grad, backward_and_step
 
@@ -127,28 +131,6 @@ def test_stock_gan_fails_when_d_gets_g_step_grads(stage):
         _train(g_engine, d_engine, _engine_update(g_engine), _engine_update(d_engine), freeze_d=False)
 
 
-def _torch_style_update(engine):
-
-    def backward_and_step(loss):
-        loss.backward()
-        engine.step()
-
-    return engine.zero_grad, backward_and_step
-
-
-def _torch_update_accumulating(params, gas):
-    """torch's gradient accumulation: (loss / gas).backward(), a step every gas-th call."""
-    optimizer, calls = torch.optim.SGD(params, lr=LR), [0]
-
-    def backward_and_step(loss):
-        (loss / gas).backward()
-        calls[0] += 1
-        if calls[0] % gas == 0:
-            optimizer.step()
-
-    return optimizer.zero_grad, backward_and_step
-
-
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
 @pytest.mark.parametrize("freeze_d", [True, False], ids=["D_frozen_in_G_step", "D_gets_G_step_grads"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -159,9 +141,9 @@ def test_gan_with_gradient_accumulation_matches_torch(stage, freeze_d):
     (zero_lifetime/chained_engines.py)."""
     gas = 2
     (g_engine, d_engine), (g_ref, d_ref) = _engines(stage, install=True, gas=gas)
-    _train(g_engine, d_engine, _torch_style_update(g_engine), _torch_style_update(d_engine), freeze_d,
+    _train(g_engine, d_engine, _engine_update(g_engine, "manual"), _engine_update(d_engine, "manual"), freeze_d,
            steps=2 * gas)
-    _train(g_ref, d_ref, _torch_update_accumulating(g_ref.parameters(), gas),
-           _torch_update_accumulating(d_ref.parameters(), gas), freeze_d, steps=2 * gas)
+    _train(g_ref, d_ref, _torch_update(g_ref.parameters(), gas), _torch_update(d_ref.parameters(), gas), freeze_d,
+           steps=2 * gas)
     for engine, reference in zip((g_engine, d_engine), (g_ref, d_ref)):
         assert_weights_match(engine, reference)
