@@ -78,8 +78,12 @@ def input_handling_cost(calls=2000):
     chained = head_engine._zero_lifetime_installation.chained
     output = encoder_engine(chain._batch(0))
     data = chain._batch(1)
+    plain_mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(32)])
     inputs = {"an engine output": output, "three ops after one": torch.tanh(output)[:, :8] * 2,
-              "data": data, "a leaf needing a gradient": data.clone().requires_grad_()}
+              "two engine outputs added": output + encoder_engine(data),
+              "mixed with a free tensor": output + torch.zeros_like(output, requires_grad=True),
+              "data": data, "a leaf needing a gradient": data.clone().requires_grad_(),
+              "out of a 32-layer torch MLP (the walk's limit)": plain_mlp(data)}
     for name, tensor in inputs.items():
         seconds = timeit.timeit(lambda: chained.undo_division_on_inputs((tensor,), {}, OutputDivision()),
                                 number=calls)

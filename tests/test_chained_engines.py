@@ -11,6 +11,7 @@ one SGD step per window.
 
 import copy
 import gc
+import warnings
 
 import deepspeed
 import pytest
@@ -250,3 +251,55 @@ def test_shared_encoder_feeding_two_head_engines(stage):
         return first_head(features).pow(2).mean() + second_head(torch.relu(features)).abs().mean()
 
     _assert_match_torch(*_train_against_torch((encoder, first_head, second_head), stage, 2, loss_of), stage)
+
+
+def _towers_and_head():
+    torch.manual_seed(1)
+    towers = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)]
+    return (*towers, _encoder_and_head()[1])
+
+
+# Two tower engines joined into one head engine's input: every branch of the input's gradient
+# ends at an engine output, so the head multiplies it all back.
+TOWER_JOINS = {
+    "sum": lambda a, b, head, x: head(a(x) + b(x)).pow(2).mean(),
+    "concatenated_slices": lambda a, b, head, x: head(torch.cat([a(x)[:, :4], torch.relu(b(x))[:, 4:]], 1)).pow(2).mean(),
+}
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("join", sorted(TOWER_JOINS))
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_tower_engines_joined_into_a_head_engine(stage, join):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing mixed here: no warning
+        engines, references = _train_against_torch(_towers_and_head(), stage, 2, TOWER_JOINS[join])
+    _assert_match_torch(engines, references, stage, initial=_towers_and_head())
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("path", PATHS)
+def test_input_mixing_an_engine_output_with_a_free_tensor_warns(path):
+    """head(encoder(x) + side), ``side`` a tensor outside the engines: its gradient (divided
+    once, as torch's) and the head's weights are torch's; the encoder's share stays divided
+    twice where the outputs divide, and the first such pass says so, once."""
+    encoder, head = _encoder_and_head()
+    ref_encoder, ref_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    engines = [_engine(model, 2, 2, install=True) for model in (encoder, head)]
+    side, ref_side = torch.zeros(4, 8, requires_grad=True), torch.zeros(4, 8, requires_grad=True)
+    divides_at_outputs = path != "engine" or DS_VERSION == "0.18.9"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for micro_step in range(2):
+            x = _batch(micro_step)
+            backward_by(engines[-1], engines[1](engines[0](x) + side).pow(2).mean(), path)
+            for engine in engines:
+                engine.step()
+            (ref_head(ref_encoder(x) + ref_side).pow(2).mean() / 2).backward()
+    mixed = [w for w in caught if "mixes another engine's output" in str(w.message)]
+    assert len(mixed) == (1 if divides_at_outputs else 0), [str(w.message) for w in caught]
+    torch.testing.assert_close(side.grad, ref_side.grad)
+    with torch.no_grad():
+        for param in ref_head.parameters():
+            param -= LR * param.grad
+    assert_weights_match(engines[1], ref_head)

@@ -13,13 +13,16 @@ instead (its hooks stand aside), and was right.
 
 B multiplies the gradient leaving it through such an input back by its own GAS, in the passes
 where the hooks on that forward's outputs divided. Only inputs whose whole gradient goes on into
-one engine's output are undone: the output itself, or what one chain of ops made of it alone
-(pooled, sliced, an activation, concatenated with labels). The gradient of any other input
-(data, an embedding computed outside the engines) stays divided, as torch's
-``(loss / GAS).backward()`` has it. An input mixed from an engine output and something else
-that needs a gradient is left alone too (its engine share stays divided twice, as in stock):
-the two shares cannot be told apart at B's input.
+engines' outputs are undone: an output itself, or what ops made of engine outputs alone (pooled,
+sliced, an activation, concatenated with labels; two towers' outputs added or concatenated).
+The gradient of any other input (data, an embedding computed outside the engines) stays
+divided, as torch's ``(loss / GAS).backward()`` has it. An input mixed from an engine output
+and something else that needs a gradient (``encoder(x) + free_param``) cannot be undone: the two
+shares are one gradient at B's input. Its engine share stays divided twice, as in stock, and
+the first pass where that happens warns, with the ways out.
 """
+
+import warnings
 
 import torch
 
@@ -27,9 +30,17 @@ import torch
 # (of that node) that are engine outputs. Nodes take neither attributes nor weak references,
 # and the output tensor may be gone (a temporary) when the next engine sees what came of it.
 ENGINE_OUTPUT_MARK = "zero_lifetime_engine_output"
-# Nodes walked back from an input looking for an engine output: a pooling or an activation
-# between two engines is a few nodes; a long walk means the input came from elsewhere.
+# Nodes walked back from an input looking for engine outputs: a pooling, an activation or the
+# join of two towers between engines is a few nodes; a long walk means the input came from
+# elsewhere (and nothing is done to it).
 MAX_NODES_WALKED = 64
+MIXED_INPUT_WARNING = (
+    "zero_lifetime: an input of this engine mixes another engine's output with a tensor outside "
+    "the engines that needs a gradient (as in `encoder(x) + free_param`). With gradient "
+    "accumulation, the engine share of its gradient was divided by both engines' "
+    "gradient_accumulation_steps, as in stock DeepSpeed: the two shares cannot be told apart. "
+    "Keep such tensors inside an engine, or, on DeepSpeed 0.19.8, call engine.backward(loss), "
+    "which divides the loss once.")
 
 
 class OutputDivision:
@@ -54,6 +65,7 @@ class ChainedInputs:
     def __init__(self, engine, is_deepspeed_output):
         self._engine = engine
         self._is_deepspeed_output = is_deepspeed_output  # the adapter's: DeepSpeed's mark
+        self._warned_mixed = False
 
     def undo_division_on_inputs(self, args, kwargs, division: OutputDivision):
         """``args`` and ``kwargs`` with each tensor among them (in lists, tuples and dicts too)
@@ -65,7 +77,7 @@ class ChainedInputs:
 
         def undo(value):
             if isinstance(value, torch.Tensor):
-                return self._undone(value, factor, division) if self._is_engine_output(value) else value
+                return self._hooked(value, factor, division)
             if type(value) in (list, tuple):
                 items = [undo(item) for item in value]
                 changed = any(new is not old for new, old in zip(items, value))
@@ -85,36 +97,61 @@ class ChainedInputs:
             if node is not None:
                 node.metadata.setdefault(ENGINE_OUTPUT_MARK, set()).add(tensor.output_nr)
 
-    def _is_engine_output(self, tensor) -> bool:
-        """All of the gradient flowing into ``tensor`` goes on into one engine's output."""
+    def _hooked(self, tensor, factor, division):
+        """``tensor``, or a view of it whose hook multiplies back (its gradient all goes into
+        engine outputs) or warns (only part of it does)."""
         if not tensor.requires_grad or tensor.grad_fn is None:
-            return False
+            return tensor
         if self._is_deepspeed_output(tensor):  # a stock engine's (first) output
-            return True
-        return _chain_ends_at_engine_output(tensor.grad_fn, tensor.output_nr)
+            into_engines, elsewhere = True, False
+        else:
+            into_engines, elsewhere = _where_the_gradient_goes(tensor.grad_fn, tensor.output_nr)
+        if not into_engines:
+            return tensor
+        if elsewhere:
+            return _view_with_hook(tensor, self._warn_mixed_if_divided(division))
+        return _view_with_hook(tensor, lambda grad: grad * factor if division.happened_in_this_pass() else None)
 
-    @staticmethod
-    def _undone(tensor, factor, division):
-        # A plain view with a tensor hook, not a custom autograd Function: the model may
-        # still modify its input in place.
-        view = tensor.view_as(tensor)
+    def _warn_mixed_if_divided(self, division):
+        def warn_once(grad):
+            if division.happened_in_this_pass() and not self._warned_mixed:
+                self._warned_mixed = True
+                warnings.warn(MIXED_INPUT_WARNING, RuntimeWarning, stacklevel=2)
+            return None
 
-        def multiply_back(grad):
-            return grad * factor if division.happened_in_this_pass() else None
-
-        view.register_hook(multiply_back)
-        return view
+        return warn_once
 
 
-def _chain_ends_at_engine_output(node, output_nr) -> bool:
-    """Walk back from output ``output_nr`` of ``node`` while each node has one input that needs
-    a gradient; True on reaching a marked engine output."""
-    for _ in range(MAX_NODES_WALKED):
+def _view_with_hook(tensor, hook):
+    # A plain view with a tensor hook, not a custom autograd Function: the model may still
+    # modify its input in place.
+    view = tensor.view_as(tensor)
+    view.register_hook(hook)
+    return view
+
+
+def _where_the_gradient_goes(node, output_nr) -> tuple:
+    """(into engine outputs, elsewhere): where the gradient flowing into output ``output_nr`` of
+    ``node`` ends, walking back through every input that needs a gradient and stopping at marked
+    engine outputs. (False, False) when the walk is longer than MAX_NODES_WALKED."""
+    into_engines = elsewhere = False
+    edges, expanded = [(node, output_nr)], set()  # the set keeps the nodes' Python objects alive
+    while edges:
+        node, output_nr = edges.pop()
         marked = node.metadata.get(ENGINE_OUTPUT_MARK)
         if marked is not None:  # an engine's last op: past it lies that engine's inside
-            return output_nr in marked
+            if output_nr in marked:
+                into_engines = True
+            else:
+                elsewhere = True  # into the engine past its outputs' division
+            continue
+        if node in expanded:
+            continue
+        if len(expanded) == MAX_NODES_WALKED:
+            return False, False
+        expanded.add(node)
         inputs = [(parent, nr) for parent, nr in node.next_functions if parent is not None]
-        if len(inputs) != 1:
-            return False  # a leaf (no inputs), or a mix of several
-        node, output_nr = inputs[0]
-    return False
+        if not inputs:
+            elsewhere = True  # a leaf that needs a gradient
+        edges.extend(inputs)
+    return into_engines, elsewhere
