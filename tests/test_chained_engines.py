@@ -9,6 +9,7 @@ The oracle: the same models in plain torch, ``(loss / GAS).backward()`` per micr
 one SGD step per window.
 """
 
+import collections
 import copy
 import gc
 import warnings
@@ -16,6 +17,7 @@ import warnings
 import deepspeed
 import pytest
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
 import zero_lifetime
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
@@ -303,3 +305,59 @@ def test_input_mixing_an_engine_output_with_a_free_tensor_warns(path):
         for param in ref_head.parameters():
             param -= LR * param.grad
     assert_weights_match(engines[1], ref_head)
+
+
+Features = collections.namedtuple("Features", "hidden scale")
+
+
+class _Pair(tuple):
+    """A tuple subclass whose constructor takes two arguments, not one iterable."""
+
+    def __new__(cls, first, second):
+        return super().__new__(cls, (first, second))
+
+
+# How the encoder engine hands its features on, and how the head engine reads them.
+CONTAINERS = {
+    "named_tuple": (lambda h: Features(h, 1.0), lambda f: f.hidden * f.scale),
+    "ordered_dict": (lambda h: collections.OrderedDict(hidden=h), lambda f: f["hidden"]),
+    "model_output": (lambda h: BaseModelOutput(last_hidden_state=h), lambda f: f.last_hidden_state),
+    "nested": (lambda h: {"features": [Features(h, 2.0)]}, lambda f: f["features"][0].hidden * f["features"][0].scale),
+}
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, model, before=lambda v: v, after=lambda v: v):
+        super().__init__()
+        self.model, self.before, self.after = model, before, after
+
+    def forward(self, value):
+        return self.after(self.model(self.before(value)))
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_output_handed_on_in_a_container(stage, container):
+    """The head engine is fed the container the encoder engine returned (a named tuple, an
+    OrderedDict, a transformers ModelOutput, nested): the engine output inside is multiplied
+    back as a bare one is."""
+    wrap, unwrap = CONTAINERS[container]
+    encoder, head = _encoder_and_head()
+    models = _Wrapped(encoder, after=wrap), _Wrapped(head, before=unwrap)
+    engines, references = _train_against_torch(models, stage, 2, lambda e, h, x: h(e(x)).pow(2).mean())
+    _assert_match_torch(engines, references, stage)
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+def test_container_that_cannot_be_rebuilt_warns_and_is_passed_as_is():
+    encoder, head = _encoder_and_head()
+    models = _Wrapped(encoder, after=lambda h: _Pair(h, h)), _Wrapped(head, before=lambda p: p[0] + p[1])
+    encoder_engine, head_engine = (_engine(model, 2, 2, install=True) for model in models)
+    pair = encoder_engine(_batch(0))
+    with pytest.warns(RuntimeWarning, match="could not pass this engine's input, a _Pair"):
+        out = head_engine(pair)
+    torch.testing.assert_close(out, head(pair[0] + pair[1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        head_engine(encoder_engine(_batch(1)))  # once per engine

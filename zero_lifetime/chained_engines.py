@@ -22,6 +22,7 @@ shares are one gradient at B's input. Its engine share stays divided twice, as i
 the first pass where that happens warns, with the ways out.
 """
 
+import copy
 import warnings
 
 import torch
@@ -65,12 +66,13 @@ class ChainedInputs:
     def __init__(self, engine, is_deepspeed_output):
         self._engine = engine
         self._is_deepspeed_output = is_deepspeed_output  # the adapter's: DeepSpeed's mark
-        self._warned_mixed = False
+        self._warned_mixed = self._warned_container = False
 
     def undo_division_on_inputs(self, args, kwargs, division: OutputDivision):
-        """``args`` and ``kwargs`` with each tensor among them (in lists, tuples and dicts too)
-        whose gradient goes on into an engine's output replaced by a view whose gradient is
-        multiplied back by this engine's GAS in the passes where ``division`` happened."""
+        """``args`` and ``kwargs`` with each tensor among them (in lists, tuples, named tuples
+        and mappings such as a transformers ModelOutput too) whose gradient goes on into an
+        engine's output replaced by a view whose gradient is multiplied back by this engine's
+        GAS in the passes where ``division`` happened. Containers holding one are copies."""
         factor = self._engine.gradient_accumulation_steps()
         if factor == 1:
             return args, kwargs
@@ -78,17 +80,32 @@ class ChainedInputs:
         def undo(value):
             if isinstance(value, torch.Tensor):
                 return self._hooked(value, factor, division)
-            if type(value) in (list, tuple):
+            if isinstance(value, (list, tuple)):
                 items = [undo(item) for item in value]
-                changed = any(new is not old for new, old in zip(items, value))
-                return type(value)(items) if changed else value
-            if type(value) is dict:
-                items = {key: undo(item) for key, item in value.items()}
-                changed = any(items[key] is not value[key] for key in value)
-                return items if changed else value
+                if all(new is old for new, old in zip(items, value)):
+                    return value
+                return self._rebuilt(value, lambda: _sequence_like(value, items))
+            if isinstance(value, dict):
+                changed = {key: new for key, old in value.items() if (new := undo(old)) is not old}
+                return self._rebuilt(value, lambda: _mapping_like(value, changed)) if changed else value
             return value
 
         return undo(args), undo(kwargs)
+
+    def _rebuilt(self, container, rebuild):
+        """``rebuild()``, or ``container`` as it was (with a warning) where its type cannot
+        be rebuilt: then the engine outputs in it stay divided twice, as in stock."""
+        try:
+            return rebuild()
+        except Exception as exc:  # a container type with its own construction rules
+            if not self._warned_container:
+                self._warned_container = True
+                warnings.warn(f"zero_lifetime: could not pass this engine's input, a {type(container).__name__} "
+                              f"holding another engine's output, on as a copy ({exc!r}). With gradient "
+                              "accumulation on the torch-style path, that output's gradient is divided by "
+                              "both engines' gradient_accumulation_steps, as in stock DeepSpeed. Pass the "
+                              "tensor itself, or a list, tuple or dict of them.", RuntimeWarning, stacklevel=4)
+            return container
 
     @staticmethod
     def mark_outputs(tensors) -> None:
@@ -120,6 +137,25 @@ class ChainedInputs:
             return None
 
         return warn_once
+
+
+def _sequence_like(sequence, items):
+    if type(sequence) in (list, tuple):
+        return type(sequence)(items)
+    if hasattr(type(sequence), "_fields"):  # a named tuple
+        return type(sequence)._make(items)
+    return type(sequence)(items)  # another list or tuple subclass: its constructor may refuse
+
+
+def _mapping_like(mapping, changed):
+    if type(mapping) is dict:
+        return {**mapping, **changed}
+    # An OrderedDict, a transformers ModelOutput (whose item assignment sets the attribute
+    # too): a shallow copy keeps the type and its other state.
+    copied = copy.copy(mapping)
+    for key, value in changed.items():
+        copied[key] = value
+    return copied
 
 
 def _view_with_hook(tensor, hook):
