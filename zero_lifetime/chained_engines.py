@@ -140,11 +140,9 @@ class ChainedInputs:
 
 
 def _sequence_like(sequence, items):
-    if type(sequence) in (list, tuple):
-        return type(sequence)(items)
     if hasattr(type(sequence), "_fields"):  # a named tuple
         return type(sequence)._make(items)
-    return type(sequence)(items)  # another list or tuple subclass: its constructor may refuse
+    return type(sequence)(items)  # a subclass's constructor may refuse a list of the items
 
 
 def _mapping_like(mapping, changed):
