@@ -280,12 +280,24 @@ def test_two_tower_engines_joined_into_a_head_engine(stage, join):
     _assert_match_torch(engines, references, stage, initial=_towers_and_head())
 
 
+def _deep_side(side):
+    """80 autograd nodes of plain torch ops: more than the walk follows."""
+    for _ in range(40):
+        side = torch.tanh(side * 1.01)
+    return side
+
+
+SIDES = {"leaf": lambda side: side, "deep": _deep_side}
+
+
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("side_kind", sorted(SIDES))
 @pytest.mark.parametrize("path", PATHS)
-def test_input_mixing_an_engine_output_with_a_free_tensor_warns(path):
-    """head(encoder(x) + side), ``side`` a tensor outside the engines: its gradient (divided
-    once, as torch's) and the head's weights are torch's; the encoder's share stays divided
-    twice where the outputs divide, and the first such pass says so, once."""
+def test_input_mixing_an_engine_output_with_a_free_tensor_warns(path, side_kind):
+    """head(encoder(x) + f(side)), ``side`` a leaf outside the engines, f nothing or more ops
+    than the walk follows: its gradient (divided once, as torch's) and the head's weights are
+    torch's; the encoder's share stays divided twice where the outputs divide, and the first
+    such pass says so, once."""
     encoder, head = _encoder_and_head()
     ref_encoder, ref_head = copy.deepcopy(encoder), copy.deepcopy(head)
     engines = [_engine(model, 2, 2, install=True) for model in (encoder, head)]
@@ -295,11 +307,12 @@ def test_input_mixing_an_engine_output_with_a_free_tensor_warns(path):
         warnings.simplefilter("always")
         for micro_step in range(2):
             x = _batch(micro_step)
-            backward_by(engines[-1], engines[1](engines[0](x) + side).pow(2).mean(), path)
+            loss = engines[1](engines[0](x) + SIDES[side_kind](side)).pow(2).mean()
+            backward_by(engines[-1], loss, path)
             for engine in engines:
                 engine.step()
-            (ref_head(ref_encoder(x) + ref_side).pow(2).mean() / 2).backward()
-    mixed = [w for w in caught if "mixes another engine's output" in str(w.message)]
+            (ref_head(ref_encoder(x) + SIDES[side_kind](ref_side)).pow(2).mean() / 2).backward()
+    mixed = [w for w in caught if "comes partly from another engine's output" in str(w.message)]
     assert len(mixed) == (1 if divides_at_outputs else 0), [str(w.message) for w in caught]
     torch.testing.assert_close(side.grad, ref_side.grad)
     with torch.no_grad():

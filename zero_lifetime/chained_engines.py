@@ -22,6 +22,7 @@ shares are one gradient at B's input. Its engine share stays divided twice, as i
 the first pass where that happens warns, with the ways out.
 """
 
+import collections
 import copy
 import warnings
 
@@ -33,15 +34,16 @@ import torch
 ENGINE_OUTPUT_MARK = "zero_lifetime_engine_output"
 # Nodes walked back from an input looking for engine outputs: a pooling, an activation or the
 # join of two towers between engines is a few nodes; a long walk means the input came from
-# elsewhere (and nothing is done to it).
+# elsewhere (and nothing is done to it; having met an engine output on the way, it warns).
 MAX_NODES_WALKED = 64
 MIXED_INPUT_WARNING = (
-    "zero_lifetime: an input of this engine mixes another engine's output with a tensor outside "
-    "the engines that needs a gradient (as in `encoder(x) + free_param`). With gradient "
-    "accumulation, the engine share of its gradient was divided by both engines' "
-    "gradient_accumulation_steps, as in stock DeepSpeed: the two shares cannot be told apart. "
-    "Keep such tensors inside an engine, or, on DeepSpeed 0.19.8, call engine.backward(loss), "
-    "which divides the loss once.")
+    "zero_lifetime: an input of this engine comes partly from another engine's output and partly "
+    "from a tensor outside the engines that needs a gradient (as in `encoder(x) + free_param`), "
+    f"or from more than {MAX_NODES_WALKED} autograd nodes besides, which zero_lifetime does not "
+    "follow. With gradient accumulation, the engine output's share of its gradient was divided "
+    "by both engines' gradient_accumulation_steps, as in stock DeepSpeed: the shares cannot be "
+    "told apart at the input. Keep such tensors inside an engine, or, on DeepSpeed 0.19.8, "
+    "call engine.backward(loss), which divides the loss once.")
 
 
 class OutputDivision:
@@ -167,11 +169,13 @@ def _view_with_hook(tensor, hook):
 def _where_the_gradient_goes(node, output_nr) -> tuple:
     """(into engine outputs, elsewhere): where the gradient flowing into output ``output_nr`` of
     ``node`` ends, walking back through every input that needs a gradient and stopping at marked
-    engine outputs. (False, False) when the walk is longer than MAX_NODES_WALKED."""
+    engine outputs. Breadth first, so that engine outputs near the input are met before a walk
+    longer than MAX_NODES_WALKED stops, counting the rest as elsewhere."""
     into_engines = elsewhere = False
-    edges, expanded = [(node, output_nr)], set()  # the set keeps the nodes' Python objects alive
+    # The set keeps the nodes' Python objects alive: their identity is the node's meanwhile.
+    edges, expanded = collections.deque([(node, output_nr)]), set()
     while edges:
-        node, output_nr = edges.pop()
+        node, output_nr = edges.popleft()
         marked = node.metadata.get(ENGINE_OUTPUT_MARK)
         if marked is not None:  # an engine's last op: past it lies that engine's inside
             if output_nr in marked:
@@ -182,7 +186,7 @@ def _where_the_gradient_goes(node, output_nr) -> tuple:
         if node in expanded:
             continue
         if len(expanded) == MAX_NODES_WALKED:
-            return False, False
+            return into_engines, True
         expanded.add(node)
         inputs = [(parent, nr) for parent, nr in node.next_functions if parent is not None]
         if not inputs:
