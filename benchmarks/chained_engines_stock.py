@@ -12,7 +12,6 @@ windows against torch's ``(loss / GAS).backward()``:
   for an engine output, one three ops after it, data, and a leaf that needs a gradient.
 """
 
-import copy
 import os
 import sys
 import timeit
@@ -50,24 +49,7 @@ def stock_off_torch():
 def stock_with_different_gas():
     """Encoder GAS 2, head GAS 4, ZeRO-3, loss.backward(), against torch with each model's
     gradients divided by its own GAS (as test_chained_engines_each_divide_by_their_own_...)."""
-    encoder, head = chain._encoder_and_head()
-    references = [copy.deepcopy(encoder), copy.deepcopy(head)]
-    engines = chain._engine(encoder, 3, 2, False), chain._engine(head, 3, 4, False)
-    optimizers = [torch.optim.SGD(r.parameters(), lr=chain.LR) for r in references]
-    for micro_step in range(8):
-        x = chain._batch(micro_step)
-        chain.LOSSES["through_head"](*engines, x).backward()
-        for engine in engines:
-            engine.step()
-        loss = chain.LOSSES["through_head"](*references, x)
-        for reference, gas in zip(references, (2, 4)):
-            params = list(reference.parameters())
-            for param, grad in zip(params, torch.autograd.grad(loss, params, retain_graph=True)):
-                param.grad = grad / gas if param.grad is None else param.grad + grad / gas
-        for optimizer, gas in zip(optimizers, (2, 4)):
-            if (micro_step + 1) % gas == 0:
-                optimizer.step()
-                optimizer.zero_grad()
+    engines, references = chain._train_with_each_own_gas(3, (2, 4), install=False)
     print("stock, encoder GAS 2, head GAS 4, ZeRO-3: max |diff| "
           + ", ".join(f"{max_diff(e, r):.1e}" for e, r in zip(engines, references)))
 

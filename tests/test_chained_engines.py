@@ -174,14 +174,13 @@ def test_input_gradients_through_the_chain(stage):
         engine.step()
 
 
-@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
-@pytest.mark.parametrize("stage", [1, 3])
-def test_chained_engines_each_divide_by_their_own_gradient_accumulation(stage):
-    """Encoder GAS 2, head GAS 4: torch with each model's gradients divided by its own GAS and
-    each stepped at its own window's end (stock was off by up to 2.4e-2 here)."""
+def _train_with_each_own_gas(stage, gas_of_each, install):
+    """Encoder and head engines, each with its own GAS, trained 8 micro steps through
+    ``loss.backward()``, beside torch copies whose gradients are divided by their own model's
+    GAS and each stepped at its own window's end. Returns (engines, references)."""
     encoder, head = _encoder_and_head()
     references = copy.deepcopy(encoder), copy.deepcopy(head)
-    engines = _engine(encoder, stage, 2, install=True), _engine(head, stage, 4, install=True)
+    engines = tuple(_engine(model, stage, gas, install) for model, gas in zip((encoder, head), gas_of_each))
     optimizers = [torch.optim.SGD(r.parameters(), lr=LR) for r in references]
     for micro_step in range(8):
         x = _batch(micro_step)
@@ -189,14 +188,23 @@ def test_chained_engines_each_divide_by_their_own_gradient_accumulation(stage):
         for engine in engines:
             engine.step()
         loss = LOSSES["through_head"](*references, x)
-        for reference, gas in zip(references, (2, 4)):
+        for reference, gas in zip(references, gas_of_each):
             params = list(reference.parameters())
             for param, grad in zip(params, torch.autograd.grad(loss, params, retain_graph=True)):
                 param.grad = grad / gas if param.grad is None else param.grad + grad / gas
-        for optimizer, gas in zip(optimizers, (2, 4)):
+        for optimizer, gas in zip(optimizers, gas_of_each):
             if (micro_step + 1) % gas == 0:
                 optimizer.step()
                 optimizer.zero_grad()
+    return engines, references
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_chained_engines_each_divide_by_their_own_gradient_accumulation(stage):
+    """Encoder GAS 2, head GAS 4: torch with each model's gradients divided by its own GAS and
+    each stepped at its own window's end (stock was off by up to 2.4e-2 here)."""
+    engines, references = _train_with_each_own_gas(stage, (2, 4), install=True)
     _assert_match_torch(engines, references, stage)
 
 

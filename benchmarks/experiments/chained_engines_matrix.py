@@ -31,9 +31,7 @@ def run(stage, path, backwards, gas, zero_grad, head_stage=None):
         if backwards == 1:
             backward_by(engines[1], l1, path)
         else:
-            if path == "engine": engines[1].backward(l1, retain_graph=True)
-            elif path == "manual": l1.backward(retain_graph=True)
-            else: engines[1].scale(l1).backward(retain_graph=True)
+            backward_by(engines[1], l1, path, retain_graph=True)
             if zero_grad:
                 for e in engines: e.zero_grad()
             backward_by(engines[1], l2, path)
