@@ -68,7 +68,7 @@ class ChainedInputs:
     def __init__(self, engine, is_deepspeed_output):
         self._engine = engine
         self._is_deepspeed_output = is_deepspeed_output  # the adapter's: DeepSpeed's mark
-        self._warned_mixed = self._warned_container = False
+        self._warned = set()  # the warnings given, each once per engine
 
     def undo_division_on_inputs(self, args, kwargs, division: OutputDivision):
         """``args`` and ``kwargs`` with each tensor among them (in lists, tuples, named tuples
@@ -100,14 +100,17 @@ class ChainedInputs:
         try:
             return rebuild()
         except Exception as exc:  # a container type with its own construction rules
-            if not self._warned_container:
-                self._warned_container = True
-                warnings.warn(f"zero_lifetime: could not pass this engine's input, a {type(container).__name__} "
-                              f"holding another engine's output, on as a copy ({exc!r}). With gradient "
-                              "accumulation on the torch-style path, that output's gradient is divided by "
-                              "both engines' gradient_accumulation_steps, as in stock DeepSpeed. Pass the "
-                              "tensor itself, or a list, tuple or dict of them.", RuntimeWarning, stacklevel=4)
+            self._warn_once("container", f"zero_lifetime: could not pass this engine's input, a "
+                            f"{type(container).__name__} holding another engine's output, on as a copy "
+                            f"({exc!r}). With gradient accumulation on the torch-style path, that output's "
+                            "gradient is divided by both engines' gradient_accumulation_steps, as in stock "
+                            "DeepSpeed. Pass the tensor itself, or a list, tuple or dict of them.")
             return container
+
+    def _warn_once(self, kind, message):
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     @staticmethod
     def mark_outputs(tensors) -> None:
@@ -127,18 +130,19 @@ class ChainedInputs:
             into_engines, elsewhere = _where_the_gradient_goes(tensor.grad_fn, tensor.output_nr)
         if not into_engines:
             return tensor
-        if elsewhere:
+        if elsewhere:  # a view only to say so, until it has been said
+            if "mixed" in self._warned:
+                return tensor
             return _view_with_hook(tensor, self._warn_mixed_if_divided(division))
         return _view_with_hook(tensor, lambda grad: grad * factor if division.happened_in_this_pass() else None)
 
     def _warn_mixed_if_divided(self, division):
-        def warn_once(grad):
-            if division.happened_in_this_pass() and not self._warned_mixed:
-                self._warned_mixed = True
-                warnings.warn(MIXED_INPUT_WARNING, RuntimeWarning, stacklevel=2)
+        def warn_if_divided(grad):
+            if division.happened_in_this_pass():
+                self._warn_once("mixed", MIXED_INPUT_WARNING)
             return None
 
-        return warn_once
+        return warn_if_divided
 
 
 def _sequence_like(sequence, items):
