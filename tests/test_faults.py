@@ -106,6 +106,23 @@ def test_teardown_with_a_retained_graph_alive(teardown):
         assert_weights_match(engine, reference)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_install_refuses_an_engine_stock_destroy_tore_down(stage):
+    """destroy() before install (a Trainer that reuses an engine accelerate destroyed) removed
+    DeepSpeed's gradient hooks: refused at install, not at the first backward, and nothing
+    patched. A live engine of the same build still installs and trains like torch."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    _plain_step(engine, reference, ref_opt, 0)
+    engine.destroy()
+    with pytest.raises(RuntimeError, match="this engine was destroyed"):
+        zero_lifetime.install(engine)
+    assert not any(name in engine.__dict__ for name in ("forward", "backward", "step", "destroy"))
+    live, live_reference, live_opt = make_pair("mlp_norm", stage, seed=1)
+    zero_lifetime.install(live)
+    _plain_step(live, live_reference, live_opt, 0)
+    assert_weights_match(live, live_reference)
+
+
 DEAD_BACKWARD_ENGINES = {
     "stage1": (1, {}), "stage2": (2, {}), "stage3": (3, {}),
     "stage1_offload": (1, {"offload_optimizer": {"device": "cpu"}}),

@@ -23,6 +23,8 @@ _ATTR = "_zero_lifetime_installation"
 _DESTROYED = "_zero_lifetime_destroyed"  # set by an installed engine's destroy()
 _install_lock = threading.Lock()
 
+DESTROYED_MESSAGE = ("zero_lifetime.install: this engine was destroyed (engine.destroy()) and cannot train any "
+                     "more; build a new one with deepspeed.initialize")
 SEMANTICS_NOTE = ("zero_lifetime: gradients now follow torch semantics: two backwards with zero_grad() "
                   "between them give the second loss's gradients; without it they give the sum.")
 
@@ -49,6 +51,7 @@ class Installation:
     def __init__(self, engine, policy: str, max_pinned_bytes: int, check_bucket_order: bool = True):
         from .adapters.deepcompile import require_no_deepcompile
         from .adapters.engine_backward import make_engine_backward
+        from .adapters.grad_hooks import GradHooks
         from .adapters.zero_optimizer import require_zero_optimizer
 
         require_supported_version()
@@ -60,6 +63,8 @@ class Installation:
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
         require_zero_optimizer(engine, self.stage)
         require_no_deepcompile(engine)
+        if GradHooks(engine.optimizer, self.stage).removed_by_destroy():  # stock destroy(), before install
+            raise RuntimeError(DESTROYED_MESSAGE)
         self.backward = None
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
         self._engine_calls = 0  # engine forward/backward calls running (nested ones counted)
@@ -522,8 +527,7 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
     if engine.__dict__.get(_DESTROYED):
         # E.g. a Trainer's second train(): accelerate destroyed the engine and the Trainer
         # kept it. DeepSpeed removed its hooks, so it cannot train, installed or not.
-        raise RuntimeError("zero_lifetime.install: this engine was destroyed (engine.destroy()) and cannot "
-                           "train any more; build a new one with deepspeed.initialize")
+        raise RuntimeError(DESTROYED_MESSAGE)
     given = {"policy": policy, "max_pinned_bytes": max_pinned_bytes, "strict": strict,
              "check_bucket_order": check_bucket_order}
     try:

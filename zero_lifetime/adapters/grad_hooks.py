@@ -27,6 +27,12 @@ def deepspeed_hooks_are_dead() -> bool:
     return not ds_torch_utils.required_torch_version(min_version=2.1)
 
 
+def _was_removed(handle) -> bool:
+    # A hook dict that died with its node (torch < 2.1's dead hooks) says nothing: not removed.
+    hooks = require(handle, "hooks_dict_ref", "torch's hook handle")()
+    return hooks is not None and handle.id not in hooks
+
+
 class LeafHookGate:
     """DeepSpeed's leaf-module backward hooks, each run only when ``should_run()``;
     ``undo()`` puts DeepSpeed's own back."""
@@ -75,6 +81,12 @@ class GradHooks:
         require(optimizer, self._entry_name, "the entry point of DeepSpeed's gradient hooks")
         require(optimizer, self._create_name, "DeepSpeed's gradient hook creation")
         require(self._module, "register_grad_hook", "DeepSpeed's gradient hook registration")
+
+    def removed_by_destroy(self) -> bool:
+        """True when DeepSpeed removed every gradient hook it holds, as its ``destroy()`` does:
+        a stock-destroyed engine, whose gradients would reach no bucket."""
+        handles = self.optimizer._grad_acc_hooks
+        return bool(handles) and all(_was_removed(handle) for handle in handles)
 
     def managed_params(self):
         return [p for group in self._groups for p in group]
