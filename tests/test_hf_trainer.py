@@ -42,6 +42,7 @@ class TwoLossTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         out = model(**inputs)
+        self.steps_run = getattr(self, "steps_run", 0) + 1
         self.compiled_steps = getattr(self, "compiled_steps", 0) + graph_has_compiled_code(out.loss)
         engine = self.model_wrapped
         engine.backward(out.loss, retain_graph=True)
@@ -55,18 +56,20 @@ def _model():
                                       embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def _trainer(model, tmp_path, compile_backend=None, stage=3):
+def _trainer(model, tmp_path, compile_backend=None, stage=3, **overrides):
     """``compile_backend``: TrainingArguments' torch_compile, which accelerate turns into
-    ``engine.compile()`` after deepspeed.initialize (the callback installs after that)."""
+    ``engine.compile()`` after deepspeed.initialize (the callback installs after that).
+    ``overrides``: other TrainingArguments."""
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
           "zero_allow_untested_optimizer": True}
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
-                             deepspeed=ds, use_cpu=True, report_to=[], save_strategy="no", optim="sgd",
-                             learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-                             weight_decay=0.0, disable_tqdm=True, logging_strategy="no",
-                             torch_compile=compile_backend is not None, torch_compile_backend=compile_backend)
+    arguments = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, deepspeed=ds,
+                     use_cpu=True, report_to=[], save_strategy="no", optim="sgd", learning_rate=LR,
+                     lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, disable_tqdm=True,
+                     logging_strategy="no", torch_compile=compile_backend is not None,
+                     torch_compile_backend=compile_backend)
+    args = TrainingArguments(**{**arguments, **overrides})
     return TwoLossTrainer(model=model, args=args, train_dataset=Tokens())
 
 
@@ -151,6 +154,37 @@ def test_model_init_trainer_frees_each_destroyed_engine(tmp_path):
     want, got = _weights(oracle), _weights(trainer)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+# AdamW, a decaying learning rate, weight decay and clipping: the optimizer, scheduler and
+# scaler state a checkpoint must carry. A large epsilon: the key bias gets no gradient in
+# theory, and Adam would turn its rounding noise into full steps that differ between runs.
+CHECKPOINTED = dict(max_steps=4, save_strategy="steps", save_steps=2, optim="adamw_torch", learning_rate=0.01,
+                    lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.01, adam_epsilon=1e-4)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_resumed_from_a_checkpoint_matches_an_uninterrupted_run(tmp_path, stage):
+    """A run saves checkpoints with zero_lifetime installed; a new Trainer resumes from the
+    half-way one and installs again (after the Trainer loaded it). Both end where the stock
+    summed-loss oracle does, uninterrupted."""
+    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage, **CHECKPOINTED)
+    oracle.__class__ = SummedLossTrainer
+    oracle.train()
+    want = _weights(oracle)
+    first = _trainer(_model(), tmp_path / "run", stage=stage, **CHECKPOINTED)
+    add_to_trainer(first)
+    first.train()
+    resumed = _trainer(_model(), tmp_path / "run", stage=stage, **CHECKPOINTED)
+    callback = add_to_trainer(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert callback.installation is not None
+    assert (first.steps_run, resumed.steps_run, resumed.state.global_step) == (4, 2, 4)
+    initial = {n: p.detach() for n, p in _model().named_parameters()}
+    assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-3  # it trained
+    for run, got in (("first", _weights(first)), ("resumed", _weights(resumed))):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=f"{run}: {name}")
 
 
 def test_callback_without_deepspeed_says_so(tmp_path):
