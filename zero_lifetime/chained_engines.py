@@ -23,10 +23,11 @@ the first pass where that happens warns, with the ways out.
 """
 
 import collections
-import copy
 import warnings
 
 import torch
+
+from .tensor_containers import replace_tensors
 
 # Autograd node metadata of each output of an installed engine's forward: the output numbers
 # (of that node) that are engine outputs. Nodes take neither attributes nor weak references,
@@ -79,33 +80,19 @@ class ChainedInputs:
         if factor == 1:
             return args, kwargs
 
-        def undo(value):
-            if isinstance(value, torch.Tensor):
-                return self._hooked(value, factor, division)
-            if isinstance(value, (list, tuple)):
-                items = [undo(item) for item in value]
-                if all(new is old for new, old in zip(items, value)):
-                    return value
-                return self._rebuilt(value, lambda: _sequence_like(value, items))
-            if isinstance(value, dict):
-                changed = {key: new for key, old in value.items() if (new := undo(old)) is not old}
-                return self._rebuilt(value, lambda: _mapping_like(value, changed)) if changed else value
-            return value
+        def hooked(tensor):
+            return self._hooked(tensor, factor, division)
 
-        return undo(args), undo(kwargs)
+        return (replace_tensors(args, hooked, self._warn_unbuildable),
+                replace_tensors(kwargs, hooked, self._warn_unbuildable))
 
-    def _rebuilt(self, container, rebuild):
-        """``rebuild()``, or ``container`` as it was (with a warning) where its type cannot
-        be rebuilt: then the engine outputs in it stay divided twice, as in stock."""
-        try:
-            return rebuild()
-        except Exception as exc:  # a container type with its own construction rules
-            self._warn_once("container", f"zero_lifetime: could not pass this engine's input, a "
-                            f"{type(container).__name__} holding another engine's output, on as a copy "
-                            f"({exc!r}). With gradient accumulation on the torch-style path, that output's "
-                            "gradient is divided by both engines' gradient_accumulation_steps, as in stock "
-                            "DeepSpeed. Pass the tensor itself, or a list, tuple or dict of them.")
-            return container
+    def _warn_unbuildable(self, container, exc):
+        """The engine outputs in ``container`` stay divided twice, as in stock."""
+        self._warn_once("container", f"zero_lifetime: could not pass this engine's input, a "
+                        f"{type(container).__name__} holding another engine's output, on as a copy "
+                        f"({exc!r}). With gradient accumulation on the torch-style path, that output's "
+                        "gradient is divided by both engines' gradient_accumulation_steps, as in stock "
+                        "DeepSpeed. Pass the tensor itself, or a list, tuple or dict of them.")
 
     def _warn_once(self, kind, message):
         if kind not in self._warned:
@@ -143,23 +130,6 @@ class ChainedInputs:
             return None
 
         return warn_if_divided
-
-
-def _sequence_like(sequence, items):
-    if hasattr(type(sequence), "_fields"):  # a named tuple
-        return type(sequence)._make(items)
-    return type(sequence)(items)  # a subclass's constructor may refuse a list of the items
-
-
-def _mapping_like(mapping, changed):
-    if type(mapping) is dict:
-        return {**mapping, **changed}
-    # An OrderedDict, a transformers ModelOutput (whose item assignment sets the attribute
-    # too): a shallow copy keeps the type and its other state.
-    copied = copy.copy(mapping)
-    for key, value in changed.items():
-        copied[key] = value
-    return copied
 
 
 def _view_with_hook(tensor, hook):
