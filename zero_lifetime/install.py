@@ -15,6 +15,8 @@ from .adapters.patching import Patches
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
 from .reporting import StatsReporter, get_logger
+from .output_views import OutputViews
+from .tensor_containers import tensors_in
 
 logger = get_logger()
 
@@ -86,6 +88,7 @@ class Installation:
         self.grad_guard = self.lifetime = self.fused = self.trace = self.teardown = None
         self.accumulation = self.bucket_fill = self.window = None
         self.chained = None  # undoes this engine's output division on engine outputs it is fed
+        self.output_views = None  # divides each output's gradient once, not once per output it passes
         try:
             self.backward = make_engine_backward(engine)
             self._install_components(engine, policy, max_pinned_bytes, check_bucket_order)
@@ -131,6 +134,7 @@ class Installation:
             self._handles.append(param.register_hook(self._make_before_accumulate(param)))
         if self.backward.supports_torch_style_backward:  # the path whose output hooks divide
             self.chained = ChainedInputs(engine, lambda t: bool(self.backward.output_hook_managers((t,))))
+            self.output_views = OutputViews(self.backward.output_hooks)
         self._patch("forward", self._forward)
         self._patch("backward", self._backward)
         self._patch("zero_grad", self._zero_grad)
@@ -191,8 +195,12 @@ class Installation:
                     finally:
                         self.lifetime.end()
             # DeepSpeed attached its output hook managers inside the original forward.
-            tensors = list(_tensors_in(output))
+            tensors = list(tensors_in(output))
             managers = self.backward.output_hook_managers(tensors)
+            if self.output_views is not None and self.engine.gradient_accumulation_steps() > 1:
+                output = self.output_views.divided_at_views(output, managers,
+                                                            self._make_output_hook(self._latest_forward))
+                tensors = list(tensors_in(output))
             self._latest_forward.set_managers(managers)
             self.backward.scale_outputs_only_when(managers, self._pass_accumulates, division.note)
             if self.chained is not None:
@@ -305,7 +313,7 @@ class Installation:
         forward = _ForwardOutputs()
         self._latest_forward = forward
         self._live_forwards = [f for f in self._live_forwards if f.alive()] + [forward]
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             if tensor.grad_fn is not None:
                 tensor.register_hook(self._make_output_hook(forward))
         return None
@@ -494,19 +502,6 @@ class _ForwardOutputs:
 
     def alive(self) -> bool:
         return any(r() is not None for r in self._refs or ())
-
-
-def _tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif hasattr(value, "to_tuple"):  # transformers ModelOutput
-        yield from _tensors_in(value.to_tuple())
 
 
 def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int] = None,

@@ -10,6 +10,20 @@ import copy
 import torch
 
 
+def tensors_in(value):
+    """The tensors in ``value``, in the order DeepSpeed's output hooks visit them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif hasattr(value, "to_tuple"):  # transformers ModelOutput
+        yield from tensors_in(value.to_tuple())
+
+
 def replace_tensors(value, replace, on_unbuildable):
     """``value`` with each tensor ``t`` in it replaced by ``replace(t)``. Containers holding a
     replaced tensor are copies of their type; the rest are the objects themselves. Where a

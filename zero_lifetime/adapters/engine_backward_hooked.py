@@ -29,6 +29,7 @@ class HookedEngineBackward(EngineBackwardBase):
         probe = OutputBackwardHookManager(lambda: None)
         require(probe, "preprocess_done", "the output-hook once flag")
         require(probe, "preprocess_per_tensor_fn", "the output-hook per-tensor gradient scaling")
+        require(probe, "hook_handles", "the output-hook handles")
 
     @property
     def _state(self):
@@ -51,8 +52,10 @@ class HookedEngineBackward(EngineBackwardBase):
 
     @staticmethod
     def output_hook_managers(outputs) -> list:
-        """DeepSpeed's hook managers on a forward's outputs (they outlive the tensor objects)."""
-        return [manager for tensor in outputs for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ())]
+        """DeepSpeed's hook managers on a forward's outputs (they outlive the tensor objects),
+        each once (a tensor returned twice lists its managers twice)."""
+        managers = {id(manager): manager for tensor in outputs for manager in getattr(tensor, _HOOK_MANAGERS_ATTR, ())}
+        return list(managers.values())
 
     @staticmethod
     def rearm_output_hooks(managers) -> None:
@@ -77,6 +80,11 @@ class HookedEngineBackward(EngineBackwardBase):
             scale = manager.preprocess_per_tensor_fn
             if scale is not None:
                 manager.preprocess_per_tensor_fn = _scaling_only_when(scale, should_scale, on_divided)
+
+    @staticmethod
+    def output_hooks(managers) -> "OutputHooks":
+        """DeepSpeed's hooks on one forward's outputs, to be moved onto views of them."""
+        return OutputHooks(managers)
 
     def run_prologue(self) -> None:
         """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
@@ -113,3 +121,48 @@ def _scaling_only_when(scale, should_scale, on_divided):
         return scaled
 
     return scale_if_accumulating
+
+
+class OutputHooks:
+    """DeepSpeed's per-output hooks of one forward (each divides the gradient arriving at its
+    output by gradient_accumulation_steps), grouped by the tensor they are registered on.
+
+    On ZeRO-1/2 the outputs are the model's own tensors, so when one output is computed from
+    another (a transformers model's ``loss`` from its ``logits``), the gradient that already
+    passed the first output's hook passes the second's too: divided by GAS twice (DeepSpeed
+    #7718). Moved onto a view that the model's own computation never used, each hook divides
+    only what arrives from outside the forward."""
+
+    def __init__(self, managers):
+        self._waiting = {}  # id(tensor hook dict): [(manager, index in its handles, hook id)]
+        for manager in managers:
+            for index, handle in enumerate(manager.hook_handles):
+                hooks = require(handle, "hooks_dict_ref", "torch's hook handle")()
+                if hooks is not None and handle.id in hooks:
+                    self._waiting.setdefault(id(hooks), []).append((manager, index, handle.id))
+        self._registered = self.left_behind()
+
+    def registered(self) -> int:
+        """DeepSpeed's hooks on the outputs, moved or not."""
+        return self._registered
+
+    def left_behind(self) -> int:
+        """DeepSpeed's hooks not moved onto a view."""
+        return sum(len(waiting) for waiting in self._waiting.values())
+
+    def on(self, tensor) -> bool:
+        """Has ``tensor`` a DeepSpeed hook not yet moved?"""
+        hooks = tensor._backward_hooks
+        return hooks is not None and bool(self._waiting.get(id(hooks)))
+
+    def move_one(self, tensor, view) -> None:
+        """Move one of ``tensor``'s DeepSpeed hooks (one per place the tensor has in the output,
+        as DeepSpeed registers them) to ``view``, and DeepSpeed's record of its hook managers
+        with it (which it keeps on the first output, to keep them alive)."""
+        hooks = tensor._backward_hooks
+        manager, index, hook_id = self._waiting[id(hooks)].pop(0)
+        hook = hooks.pop(hook_id)
+        manager.hook_handles[index] = view.register_hook(hook)
+        managers = getattr(tensor, _HOOK_MANAGERS_ATTR, None)
+        if managers is not None:
+            setattr(view, _HOOK_MANAGERS_ATTR, managers)
