@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")  # installed by scripts/setup
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 import zero_lifetime  # noqa: E402
-from harness import graph_has_compiled_code  # noqa: E402
+from harness import TORCH_STYLE_BACKWARD, graph_has_compiled_code  # noqa: E402
 from zero_lifetime.integrations.hf_trainer import ZeroLifetimeCallback, add_to_trainer  # noqa: E402
 
 STEPS, LR = 3, 0.05
@@ -152,6 +152,81 @@ def test_model_init_trainer_frees_each_destroyed_engine(tmp_path):
     assert first() is None, "the first run's model outlived its destroyed engine"
     assert stock_first() is not None  # as documented; if DeepSpeed frees it, the docs and this line go
     want, got = _weights(oracle), _weights(trainer)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+class TorchStyleSummedLossTrainer(Trainer):
+    """The summed loss through ``loss.backward()`` (DeepSpeed's torch-style path), then
+    accelerate's backward of nothing extra: a zero term, so accelerate still steps."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        out = model(**inputs)
+        self.model_wrapped.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+        (out.loss + second_loss(out.logits)).backward()
+        if self.accelerator.sync_gradients:
+            self.model_wrapped.step()
+        return out.loss.detach()
+
+
+@pytest.mark.parametrize("trainer_class", [SummedLossTrainer, TorchStyleSummedLossTrainer],
+                         ids=["accelerate_backward", "loss_backward"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_matches_one_large_batch(tmp_path, stage, trainer_class):
+    """GAS 2 of 2 sequences against GAS 1 of all 4 (same token count per sequence: the same
+    mean), installed. The model returns its loss and the logits it computed it from, which
+    stock ZeRO-2 divided by GAS twice: on 0.18.9 through accelerate too, on 0.19.8 through
+    ``loss.backward()`` (test_output_division has the mechanism against torch)."""
+    if trainer_class is TorchStyleSummedLossTrainer and not TORCH_STYLE_BACKWARD:
+        pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
+    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
+    oracle.__class__ = SummedLossTrainer
+    oracle.train()
+    want = _weights(oracle)
+    trainer = _trainer(_model(), tmp_path / "gas", stage=stage, gradient_accumulation_steps=2,
+                       per_device_train_batch_size=2)
+    trainer.__class__ = trainer_class
+    add_to_trainer(trainer)
+    trainer.train()
+    got = _weights(trainer)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+class TorchStyleTwoLossTrainer(Trainer):
+    """TwoLossTrainer with the first loss through ``loss.backward(retain_graph=True)``."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        out = model(**inputs)
+        out.loss.backward(retain_graph=True)
+        self.accelerator.backward(second_loss(out.logits))
+        return out.loss.detach()
+
+
+@pytest.mark.parametrize("gas", [2, 4])
+@pytest.mark.parametrize("trainer_class", [TwoLossTrainer, TorchStyleTwoLossTrainer],
+                         ids=["engine_backward", "loss_backward"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_losses_with_gradient_accumulation_match_one_large_batch(tmp_path, stage, trainer_class, gas):
+    """A training step that backwards its first loss itself, then the second through
+    accelerate, with GAS 2 and 4 against GAS 1 over the same sequences (stock, summed loss).
+    accelerate sets DeepSpeed's window boundary only inside its own backward: the first loss of
+    each window ran with the previous window's True, and ZeRO-1/2 dropped it (0.0070 off after
+    three steps at GAS 2, ZeRO-2) until the callback set the flag at each window's start."""
+    if trainer_class is TorchStyleTwoLossTrainer and not TORCH_STYLE_BACKWARD:
+        pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
+    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
+    oracle.__class__ = SummedLossTrainer
+    oracle.train()
+    want = _weights(oracle)
+    trainer = _trainer(_model(), tmp_path / "gas", stage=stage, gradient_accumulation_steps=gas,
+                       per_device_train_batch_size=4 // gas)
+    trainer.__class__ = trainer_class
+    add_to_trainer(trainer)
+    trainer.train()
+    got = _weights(trainer)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
 
