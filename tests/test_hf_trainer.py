@@ -156,9 +156,27 @@ def test_model_init_trainer_frees_each_destroyed_engine(tmp_path):
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def _assert_installed_gas_run_matches_one_large_batch(tmp_path, stage, trainer_class, gas):
+    """``trainer_class`` installed, GAS ``gas`` over 4 // gas sequences per micro step, against
+    the stock summed-loss Trainer at GAS 1 over all 4 (the same sequences, of equal length: the
+    same mean loss)."""
+    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
+    oracle.__class__ = SummedLossTrainer
+    oracle.train()
+    want = _weights(oracle)
+    trainer = _trainer(_model(), tmp_path / "gas", stage=stage, gradient_accumulation_steps=gas,
+                       per_device_train_batch_size=4 // gas)
+    trainer.__class__ = trainer_class
+    add_to_trainer(trainer)
+    trainer.train()
+    got = _weights(trainer)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 class TorchStyleSummedLossTrainer(Trainer):
-    """The summed loss through ``loss.backward()`` (DeepSpeed's torch-style path), then
-    accelerate's backward of nothing extra: a zero term, so accelerate still steps."""
+    """The summed loss through ``loss.backward()`` (DeepSpeed's torch-style path), with the
+    window boundary and the step done as accelerate's backward would."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
@@ -180,18 +198,7 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path, stage, trainer_
     ``loss.backward()`` (test_output_division has the mechanism against torch)."""
     if trainer_class is TorchStyleSummedLossTrainer and not TORCH_STYLE_BACKWARD:
         pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
-    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
-    oracle.__class__ = SummedLossTrainer
-    oracle.train()
-    want = _weights(oracle)
-    trainer = _trainer(_model(), tmp_path / "gas", stage=stage, gradient_accumulation_steps=2,
-                       per_device_train_batch_size=2)
-    trainer.__class__ = trainer_class
-    add_to_trainer(trainer)
-    trainer.train()
-    got = _weights(trainer)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    _assert_installed_gas_run_matches_one_large_batch(tmp_path, stage, trainer_class, gas=2)
 
 
 class TorchStyleTwoLossTrainer(Trainer):
@@ -213,22 +220,11 @@ def test_two_losses_with_gradient_accumulation_match_one_large_batch(tmp_path, s
     """A training step that backwards its first loss itself, then the second through
     accelerate, with GAS 2 and 4 against GAS 1 over the same sequences (stock, summed loss).
     accelerate sets DeepSpeed's window boundary only inside its own backward: the first loss of
-    each window ran with the previous window's True, and ZeRO-1/2 dropped it (0.0070 off after
+    each window ran with the previous window's True, and ZeRO-2 dropped it (0.0070 off after
     three steps at GAS 2, ZeRO-2) until the callback set the flag at each window's start."""
     if trainer_class is TorchStyleTwoLossTrainer and not TORCH_STYLE_BACKWARD:
         pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
-    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
-    oracle.__class__ = SummedLossTrainer
-    oracle.train()
-    want = _weights(oracle)
-    trainer = _trainer(_model(), tmp_path / "gas", stage=stage, gradient_accumulation_steps=gas,
-                       per_device_train_batch_size=4 // gas)
-    trainer.__class__ = trainer_class
-    add_to_trainer(trainer)
-    trainer.train()
-    got = _weights(trainer)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    _assert_installed_gas_run_matches_one_large_batch(tmp_path, stage, trainer_class, gas)
 
 
 # AdamW, a decaying learning rate, weight decay and clipping: the optimizer, scheduler and
