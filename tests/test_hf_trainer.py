@@ -221,7 +221,8 @@ def test_two_losses_with_gradient_accumulation_match_one_large_batch(tmp_path, s
     accelerate, with GAS 2 and 4 against GAS 1 over the same sequences (stock, summed loss).
     accelerate sets DeepSpeed's window boundary only inside its own backward: the first loss of
     each window ran with the previous window's True, and ZeRO-2 dropped it (0.0070 off after
-    three steps at GAS 2, ZeRO-2) until the callback set the flag at each window's start."""
+    three steps at GAS 2): installed, a step that closes a window leaves the flag False
+    (tests/test_accumulation_boundary_by_hand.py)."""
     if trainer_class is TorchStyleTwoLossTrainer and not TORCH_STYLE_BACKWARD:
         pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
     _assert_installed_gas_run_matches_one_large_batch(tmp_path, stage, trainer_class, gas)

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from . import config
+from .adapters.engine_boundary import boundary_set_by_hand
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .adapters.patching import Patches
@@ -65,6 +66,7 @@ class Installation:
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
         require_zero_optimizer(engine, self.stage)
         require_no_deepcompile(engine)
+        boundary_set_by_hand(engine)  # probed: read after every step()
         if GradHooks(engine.optimizer, self.stage).removed_by_destroy():  # stock destroy(), before install
             raise RuntimeError(DESTROYED_MESSAGE)
         self.backward = None
@@ -260,6 +262,14 @@ class Installation:
                     "DeepSpeed has no gradients to step with (torch would leave the weights as they are). "
                     "Skip step() for a batch whose backward you skip.") from error
             self._backward_since_step = False
+            if boundary and self.engine.gradient_accumulation_steps() > 1 and boundary_set_by_hand(self.engine):
+                # A boundary set by hand holds until set again. accelerate sets it just before
+                # its own backward, so a backward of the next micro step before that one (a first
+                # loss through engine.backward or loss.backward) found this window's True, and
+                # ZeRO-2 closed the new window there, dropping it. With GAS > 1 the micro step
+                # after a closed window never closes one: DeepSpeed asks callers to set the flag
+                # before each backward, and whoever does so overrides this.
+                self.engine.set_gradient_accumulation_boundary(False)
             if self.accumulation is not None:
                 self.accumulation.grads_cleared()
             if self.engine.was_step_applied():
