@@ -61,8 +61,10 @@ def _trainer(model, tmp_path, compile_backend=None, stage=3, **overrides):
     ``engine.compile()`` after deepspeed.initialize (the callback installs after that).
     ``overrides``: other TrainingArguments."""
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    # gradient_clipping "auto": the Trainer's max_grad_norm (DeepSpeed's own default is 0.0 up
+    # to 0.18.9 and 1.0 in 0.19.8).
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+          "gradient_clipping": "auto", "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
           "zero_allow_untested_optimizer": True}
     arguments = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, deepspeed=ds,
                      use_cpu=True, report_to=[], save_strategy="no", optim="sgd", learning_rate=LR,
@@ -115,6 +117,26 @@ def _trainer_matches_summed_loss(tmp_path, compile_backend):
     assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-3  # it trained
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stock_summed_loss_oracle_matches_plain_torch(tmp_path, stage):
+    """The oracle the Trainer tests compare with, against plain torch: the same model, the four
+    sequences as one batch, the summed loss, SGD."""
+    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
+    oracle.__class__ = SummedLossTrainer
+    oracle.train()
+    got = _weights(oracle)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batch = {key: torch.stack([Tokens()[i][key] for i in range(len(Tokens()))]) for key in ("input_ids", "labels")}
+    for _ in range(STEPS):
+        out = model(**batch)
+        (out.loss + second_loss(out.logits)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.detach(), atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_stock_trainer_fails_on_the_second_backward(tmp_path):
