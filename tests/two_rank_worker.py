@@ -43,15 +43,16 @@ CONTROL_TIMEOUT_S = 45
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
               persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None,
-              compile=None, leaf=False):
+              compile=None, leaf=False, generation=False):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
     ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
     ``zero``: more zero_optimization settings (param offload, ZeRO++).
     ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``.
-    ``leaf``: the LayerNorm is a ZeRO-3 leaf module (``set_z3_leaf_modules``)."""
+    ``leaf``: the LayerNorm is a ZeRO-3 leaf module (``set_z3_leaf_modules``).
+    ``generation``: each step begins with a forward in TRL's generation context (``_generate``)."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
-                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf)
+                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf, generation=generation)
 
 
 def _build_scenarios():
@@ -138,6 +139,13 @@ def _build_scenarios():
         out.append(_scenario(f"leaf-stage3-{policy}-{path}-{zg_ids[zero_grad]}", "steps", 3, path, zero_grad, policy,
                              leaf=True))
     out.append(_scenario("penalty-stage3-leaf-regather-engine", "penalty", 3, "engine", policy="regather", leaf=True))
+    # TRL's generation context before every step (GRPO, PPO): DeepSpeed's module hooks are
+    # removed and registered anew behind ours, on every rank.
+    if _has_trl():
+        for model, policy, path in (("mlp_norm", "regather", "engine"), ("tied_lm", "pin", "engine"),
+                                    ("mlp_norm", "pin", "manual"), ("tied_lm", "regather", "manual")):
+            out.append(_scenario(f"generation-stage3-{model}-{policy}-{path}", "steps", 3, path, False, policy, model,
+                                 generation=True))
     # A first step with one backward, then two every step: DeepSpeed re-records its trace at
     # step 2 and its release decisions must follow the new trace on both ranks alike.
     for model in ("mlp_norm", "tied_lm"):
@@ -243,6 +251,11 @@ def deepspeed_release() -> str:
     return version("deepspeed").split("+")[0]
 
 
+def _has_trl() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("trl") is not None
+
+
 def _torch_style_backward() -> bool:
     """DeepSpeed 0.18+ reduces for a plain loss.backward(); 0.17.6 only inside engine.backward()."""
     return deepspeed_release() != "0.17.6"
@@ -306,6 +319,8 @@ def _engine_step(engine, sc, step, backwards, rank):
     """One step; returns (params with an hpZ secondary shard, whether compiled code saved tensors)."""
     from harness import graph_has_compiled_code, losses, two_backwards
     x = _shard(sc["model"], step, rank)
+    if sc.get("generation"):
+        _generate(engine, x)
     if sc["kind"] == "penalty":
         loss = _penalty_loss(engine, x)
         compiled = graph_has_compiled_code(loss)
@@ -323,6 +338,20 @@ def _engine_step(engine, sc, step, backwards, rank):
     secondary = sum(getattr(p, "ds_secondary_tensor", None) is not None for p in engine.module.parameters())
     engine.step()
     return secondary, compiled
+
+
+def _generate(engine, x):
+    """What TRL's ``unwrap_model_for_generation`` does around a generation on ZeRO-3 (its own
+    hook functions, without the accelerator it takes): the whole model gathered, DeepSpeed's
+    module hooks removed, forwards without gradients, the hooks registered anew."""
+    import deepspeed
+    import torch
+    from trl.models.utils import add_hooks, remove_hooks
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        remove_hooks(engine)
+        with torch.no_grad():
+            engine.module(x)
+        add_hooks(engine)
 
 
 def _at_boundary(sc, step):

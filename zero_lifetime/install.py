@@ -89,6 +89,7 @@ class Installation:
         self.tracker = None
         self.grad_guard = self.lifetime = self.fused = self.trace = self.teardown = None
         self.accumulation = self.bucket_fill = self.window = None
+        self.module_hooks = None  # ours that run after DeepSpeed's, kept so when it registers its own again
         self.chained = None  # undoes this engine's output division on engine outputs it is fed
         self.output_views = None  # divides each output's gradient once, not once per output it passes
         try:
@@ -99,13 +100,17 @@ class Installation:
             raise
 
     def _install_components(self, engine, policy, max_pinned_bytes, check_bucket_order) -> None:
+        from .adapters.zero3_module_hooks import DeepSpeedModuleHooks
         from .grad_hook_guard import GradHookGuard
+        from .hooks_after_deepspeed import HooksAfterDeepSpeed
         from .micro_step_window import MicroStepWindow
         from .tracker import make_tracker
 
         self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
         # A torch.autograd.grad (scope open, nothing accumulating) reduces nothing.
         self.grad_guard.run_leaf_hooks_only_when(self._pass_accumulates)
+        self.module_hooks = HooksAfterDeepSpeed(engine.module, DeepSpeedModuleHooks(engine) if self.stage == 3
+                                                else None)  # ZeRO-1/2 register no module hooks
         if self.stage == 3:
             from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
@@ -113,7 +118,7 @@ class Installation:
             from .zero3_lifetime import Zero3Lifetime
             self.tracker = make_tracker(policy, max_pinned_bytes)
             self.fused = Zero3FusedCopies(engine)
-            self.lifetime = Zero3Lifetime(engine, self.tracker)
+            self.lifetime = Zero3Lifetime(engine, self.tracker, self.module_hooks)
             self.trace = ReleaseDecisionsFollowTrace(engine)
             self.teardown = DestroyedEngineRelease(self.trace)
         else:
@@ -129,7 +134,7 @@ class Installation:
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
         self.reporter = StatsReporter(engine, self.stats)
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
-        self._handles.append(engine.module.register_forward_hook(torch.compiler.disable(self._on_root_forward)))
+        self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
         # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
         # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
         for param in self._trainable:
@@ -157,6 +162,8 @@ class Installation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.module_hooks is not None:
+            self.module_hooks.remove()
         if self.window is not None:
             self.window.restore()
         if self.bucket_fill is not None:
@@ -183,6 +190,7 @@ class Installation:
 
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
+            self.module_hooks.keep_after_deepspeeds()  # before the root's hooks run
             division = OutputDivision()
             if self.chained is not None:
                 args, kwargs = self.chained.undo_division_on_inputs(args, kwargs, division)

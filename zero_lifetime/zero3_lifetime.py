@@ -22,7 +22,7 @@ _PIN_WITH_FAST_SHARDING = (
 
 class Zero3Lifetime:
 
-    def __init__(self, engine, tracker):
+    def __init__(self, engine, tracker, module_hooks):
         self.engine = engine
         self.tracker = tracker
         self.zparams = Zero3Params(engine)
@@ -47,11 +47,11 @@ class Zero3Lifetime:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._after_accumulate))
         # Only modules that own params get the hook, each with its params looked up once:
         # module.parameters(recurse=False) costs ~3 us a call, every forward of every module.
+        # After DeepSpeed's pre-forward hook of the module, which gathers its params.
         for module in self._modules:
             own = tuple(module.parameters(recurse=False))
             if own:
-                self._hook_handles.append(module.register_forward_pre_hook(self._note_gathered_hook(own),
-                                                                           prepend=False))
+                module_hooks.forward_pre_hook(module, self._note_gathered_hook(own))
         # Last, so nothing after it can fail with the params' partition() replaced: a
         # GatheredParameters context (logging, an EMA copy) must not free what a graph pinned.
         if tracker.policy == "pin":
