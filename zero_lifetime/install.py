@@ -90,6 +90,7 @@ class Installation:
         self.grad_guard = self.lifetime = self.fused = self.trace = self.teardown = None
         self.accumulation = self.bucket_fill = self.window = None
         self.module_hooks = None  # ours that run after DeepSpeed's, kept so when it registers its own again
+        self.trl_fused_head = None  # ZeRO-3: TRL's fused LM head, told that saved params come back gathered
         self.chained = None  # undoes this engine's output division on engine outputs it is fed
         self.output_views = None  # divides each output's gradient once, not once per output it passes
         try:
@@ -114,6 +115,7 @@ class Installation:
         if self.stage == 3:
             from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
+            from .integrations.trl_fused_head import TrlFusedHead
             from .zero3_fused import Zero3FusedCopies
             from .zero3_lifetime import Zero3Lifetime
             self.tracker = make_tracker(policy, max_pinned_bytes)
@@ -121,6 +123,8 @@ class Installation:
             self.lifetime = Zero3Lifetime(engine, self.tracker, self.module_hooks)
             self.trace = ReleaseDecisionsFollowTrace(engine)
             self.teardown = DestroyedEngineRelease(self.trace)
+            self.trl_fused_head = TrlFusedHead()
+            self.trl_fused_head.settle_if_trl_imported()
         else:
             from .adapters.zero12_flat_buffers import detach_flat_buffers
             from .grad_accumulation import Zero12Accumulation
@@ -164,6 +168,8 @@ class Installation:
         self._handles.clear()
         if self.module_hooks is not None:
             self.module_hooks.remove()
+        if self.trl_fused_head is not None:
+            self.trl_fused_head.release()
         if self.window is not None:
             self.window.restore()
         if self.bucket_fill is not None:
@@ -191,6 +197,8 @@ class Installation:
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
             self.module_hooks.keep_after_deepspeeds()  # before the root's hooks run
+            if self.trl_fused_head is not None and not self.trl_fused_head.settled:
+                self.trl_fused_head.settle_if_trl_imported()  # TRL imported after install
             division = OutputDivision()
             if self.chained is not None:
                 args, kwargs = self.chained.undo_division_on_inputs(args, kwargs, division)

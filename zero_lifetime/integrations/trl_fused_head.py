@@ -1,0 +1,91 @@
+"""TRL's fused LM head on an installed ZeRO-3 engine (TRL 1.16's GRPO trainer scores every
+completion with it, ``add_fused_lm_head``).
+
+TRL's chunked log-prob autograd Function saves the LM head's weight and, in its backward, asks
+``trl.trainer.utils.maybe_gather_lm_head_ctx(weight, bias)`` to gather whatever ZeRO-3
+released, reading ``ds_status`` off the tensors it saved. zero_lifetime tracks saved params
+with saved-tensor hooks, and under any such hooks torch hands a backward a new tensor object,
+never the saved Parameter: it has no ``ds_status``, and the backward failed with
+``AttributeError``. That tensor is also gathered already: the tracker gathers a released param
+when its saved tensor is unpacked. So while an installed ZeRO-3 engine exists, TRL's function
+passes over tensors that are not ZeRO-3 params and gathers the rest as before; the last such
+engine to go puts TRL's function back. TRL is patched only once it is imported (by a TRL
+trainer, before its train() builds the engine): zero_lifetime never imports it.
+"""
+
+import inspect
+import sys
+import threading
+import warnings
+
+_MODULE = "trl.trainer.utils"
+_NAME = "maybe_gather_lm_head_ctx"
+
+_lock = threading.Lock()
+_holders = 0
+_original = None
+_patched = None
+
+
+def _gathers_zero3_params_only(original):
+
+    def maybe_gather_lm_head_ctx(*params):
+        # Without ds_status a tensor is no ZeRO-3 param: a saved one, unpacked already gathered.
+        return original(*(p for p in params if p is None or hasattr(p, "ds_status")))
+
+    maybe_gather_lm_head_ctx.__wrapped__ = original
+    maybe_gather_lm_head_ctx.__doc__ = original.__doc__
+    return maybe_gather_lm_head_ctx
+
+
+def _takes_params_only(function) -> bool:
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
+
+
+class TrlFusedHead:
+    """One installed ZeRO-3 engine's hold on the patch. ``settled``: TRL was found imported
+    (patched, or it has no fused head); until then ``settle_if_trl_imported`` looks again."""
+
+    def __init__(self):
+        self.settled = False
+        self._holding = False
+
+    def settle_if_trl_imported(self) -> None:
+        global _holders, _original, _patched
+        module = sys.modules.get(_MODULE)
+        if module is None:
+            return
+        self.settled = True
+        with _lock:
+            current = getattr(module, _NAME, None)
+            if _holders == 0:
+                if current is None:
+                    return  # a TRL without the fused LM head
+                if not _takes_params_only(current):
+                    warnings.warn(f"zero_lifetime: {_MODULE}.{_NAME} is not the function of TRL 1.16 "
+                                  "(params only); left as it is. TRL's fused LM head may then fail in its backward "
+                                  "with AttributeError: 'Tensor' object has no attribute 'ds_status'.",
+                                  RuntimeWarning, stacklevel=2)
+                    return
+                _original, _patched = current, _gathers_zero3_params_only(current)
+                setattr(module, _NAME, _patched)
+            _holders += 1
+            self._holding = True
+
+    def release(self) -> None:
+        global _holders, _original, _patched
+        if not self._holding:
+            return
+        self._holding = False
+        with _lock:
+            _holders -= 1
+            if _holders:
+                return
+            module = sys.modules.get(_MODULE)
+            if module is not None and getattr(module, _NAME, None) is _patched:  # nobody patched it since
+                setattr(module, _NAME, _original)
+            _original = _patched = None
