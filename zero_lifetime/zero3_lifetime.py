@@ -11,6 +11,7 @@ so a second backward never accumulates into an empty (numel 0) param.
 import torch
 
 from .adapters.zero3_params import PinnedParamsStayGathered, Zero3Params
+from .outer_saved_tensor_hooks import chained_with, hooks_in_force
 
 
 _PIN_WITH_FAST_SHARDING = (
@@ -61,7 +62,10 @@ class Zero3Lifetime:
     # ---- forward ----------------------------------------------------------------
 
     def saved_tensors_hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
+        outer = hooks_in_force()  # activation offloading around the forward, say
+        if outer is None:
+            return torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(*chained_with(self.tracker, outer))
 
     def _note_gathered_hook(self, params):
         note_gathered_all = self.tracker.note_gathered_all
