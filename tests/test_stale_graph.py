@@ -22,8 +22,27 @@ EAGER_RELEASE = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 
 def _stale_backward_raises(backward_l1, step, backward_l2):
     backward_l1()
     step()
-    with pytest.raises(RuntimeError, match=INPLACE):
+    with pytest.raises(RuntimeError, match=INPLACE) as refused:
         backward_l2()
+    assert not getattr(refused.value, "__notes__", None)  # the caller's own step(): nothing to explain
+
+
+def _both_losses_through_accelerate(engine, accelerator, out):
+    """A plain-torch habit: both losses through accelerator.backward, the first retained."""
+    from test_hf_trainer import second_loss
+    accelerator.backward(out.loss, retain_graph=True)
+    accelerator.backward(second_loss(out.logits))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stale_graph_after_accelerates_own_step_says_so(stage):
+    """accelerate's backward() steps the engine when gradients sync (every backward at GAS 1):
+    the refusal of the second backward says that the step was accelerate's, and what to do."""
+    pytest.importorskip("accelerate")
+    from test_accumulation_boundary_by_hand import _accelerate_run
+    with pytest.raises(RuntimeError, match=INPLACE) as refused:
+        _accelerate_run(stage, 1, _both_losses_through_accelerate, install=True)
+    assert any("accelerate's backward() also calls engine.step()" in note for note in refused.value.__notes__)
 
 
 @pytest.mark.parametrize("stage, policy", [(1, "regather"), (2, "regather"), (3, "regather"), (3, "pin")])

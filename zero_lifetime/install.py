@@ -15,6 +15,7 @@ from .adapters.errors import UnsupportedDeepSpeedError, require_supported_versio
 from .adapters.patching import Patches
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
+from .integrations.accelerate_steps import add_hint_if_stale_graph, step_called_by_accelerate_backward
 from .reporting import StatsReporter, get_logger
 from .output_views import OutputViews
 from .tensor_containers import tensors_in
@@ -84,6 +85,7 @@ class Installation:
         # Read only when DeepSpeed's step() fails: a backward before install leaves DeepSpeed
         # gradients to step with, so a failure on the missing ones still means none since.
         self._backward_since_step = False
+        self._stepped_by_accelerate_backward = False  # the latest step(): a stale graph's error says so
         self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
         self.tracker = None
@@ -234,8 +236,10 @@ class Installation:
             try:
                 with self._engine_call():
                     return original(loss, *args, **kwargs)
-            except BaseException:
+            except BaseException as error:
                 self.recover_if_backward_died()  # after DeepSpeed's own handlers have run
+                if self._stepped_by_accelerate_backward:
+                    add_hint_if_stale_graph(error)
                 raise
 
         return backward
@@ -278,6 +282,7 @@ class Installation:
                     "DeepSpeed has no gradients to step with (torch would leave the weights as they are). "
                     "Skip step() for a batch whose backward you skip.") from error
             self._backward_since_step = False
+            self._stepped_by_accelerate_backward = step_called_by_accelerate_backward()
             if boundary and self.engine.gradient_accumulation_steps() > 1 and boundary_set_by_hand(self.engine):
                 # A boundary set by hand holds until set again. accelerate sets it just before
                 # its own backward, so a backward of the next micro step before that one (a first
