@@ -19,6 +19,7 @@ that is a new tensor object without it, and the first backward failed with Attri
 
 import contextlib
 import copy
+import gc
 import os
 import sys
 
@@ -157,6 +158,16 @@ def test_grpo_trainer_installed_matches_stock(tmp_path):
     assert moved > 1e-3, moved  # it trained
 
 
+@pytest.fixture
+def no_installed_engine_left():
+    """Other tests' installed ZeRO-3 engines, never destroyed, stay alive (DeepSpeed keeps them)
+    and hold the patch: uninstalled here, so the patch's lifetime is these tests' engines'."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    gc.collect()
+    for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
+        zero_lifetime.uninstall(engine)
+
+
 def _recording_gather(calls):
 
     def maybe_gather_lm_head_ctx(*params):  # TRL's signature
@@ -166,7 +177,8 @@ def _recording_gather(calls):
     return maybe_gather_lm_head_ctx
 
 
-def test_fused_head_gathers_only_zero3_params_while_an_installed_zero3_engine_lives(monkeypatch):
+def test_fused_head_gathers_only_zero3_params_while_an_installed_zero3_engine_lives(monkeypatch,
+                                                                                    no_installed_engine_left):
     """TRL's function sees the ZeRO-3 params it is given (and None, as TRL passes a missing bias)
     but not a tensor without ds_status; ZeRO-2 installs patch nothing; the last ZeRO-3 engine
     uninstalled puts TRL's function back."""
@@ -194,7 +206,7 @@ def test_fused_head_gathers_only_zero3_params_while_an_installed_zero3_engine_li
     first.destroy()
 
 
-def test_fused_head_patched_at_the_first_forward_when_trl_comes_after_install(monkeypatch):
+def test_fused_head_patched_at_the_first_forward_when_trl_comes_after_install(monkeypatch, no_installed_engine_left):
     calls = []
     original = _recording_gather(calls)
     monkeypatch.setattr(trl.trainer.utils, "maybe_gather_lm_head_ctx", original)
@@ -211,7 +223,7 @@ def test_fused_head_patched_at_the_first_forward_when_trl_comes_after_install(mo
     assert trl.trainer.utils.maybe_gather_lm_head_ctx is original
 
 
-def test_fused_head_of_another_shape_is_left_alone_with_a_warning(monkeypatch):
+def test_fused_head_of_another_shape_is_left_alone_with_a_warning(monkeypatch, no_installed_engine_left):
     def maybe_gather_lm_head_ctx(weight, bias=None):  # not TRL 1.16's (*params)
         return contextlib.nullcontext()
 
@@ -221,3 +233,16 @@ def test_fused_head_of_another_shape_is_left_alone_with_a_warning(monkeypatch):
         zero_lifetime.install(engine)
     assert trl.trainer.utils.maybe_gather_lm_head_ctx is maybe_gather_lm_head_ctx
     engine.destroy()
+
+
+def test_fused_head_hold_of_an_installation_gone_without_uninstall_is_let_go(monkeypatch, no_installed_engine_left):
+    """A hold whose installation was dropped without destroy() or uninstall() ends with it."""
+    from zero_lifetime.integrations.trl_fused_head import TrlFusedHead
+    original = _recording_gather([])
+    monkeypatch.setattr(trl.trainer.utils, "maybe_gather_lm_head_ctx", original)
+    hold = TrlFusedHead()
+    hold.settle_if_trl_imported()
+    assert trl.trainer.utils.maybe_gather_lm_head_ctx is not original
+    del hold
+    gc.collect()
+    assert trl.trainer.utils.maybe_gather_lm_head_ctx is original

@@ -17,11 +17,12 @@ import inspect
 import sys
 import threading
 import warnings
+import weakref
 
 _MODULE = "trl.trainer.utils"
 _NAME = "maybe_gather_lm_head_ctx"
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered when a collection inside the lock finalizes a hold
 _holders = 0
 _original = None
 _patched = None
@@ -46,13 +47,28 @@ def _takes_params_only(function) -> bool:
     return len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
 
 
+def _let_go() -> None:
+    """One hold less; the last puts TRL's function back, unless it was replaced since."""
+    global _holders, _original, _patched
+    with _lock:
+        _holders -= 1
+        if _holders:
+            return
+        module = sys.modules.get(_MODULE)
+        if module is not None and getattr(module, _NAME, None) is _patched:
+            setattr(module, _NAME, _original)
+        _original = _patched = None
+
+
 class TrlFusedHead:
-    """One installed ZeRO-3 engine's hold on the patch. ``settled``: TRL was found imported
-    (patched, or it has no fused head); until then ``settle_if_trl_imported`` looks again."""
+    """One installed ZeRO-3 engine's hold on the patch, let go at ``release()`` or when the
+    installation is garbage (an engine dropped without destroy()). ``settled``: TRL was found
+    imported (patched, or it has no fused head); until then ``settle_if_trl_imported`` looks
+    again."""
 
     def __init__(self):
         self.settled = False
-        self._holding = False
+        self._hold = None  # a finalizer that lets go once
 
     def settle_if_trl_imported(self) -> None:
         global _holders, _original, _patched
@@ -62,9 +78,9 @@ class TrlFusedHead:
         self.settled = True
         with _lock:
             current = getattr(module, _NAME, None)
-            if _holders == 0:
-                if current is None:
-                    return  # a TRL without the fused LM head
+            if current is None:
+                return  # a TRL without the fused LM head
+            if current is not _patched:  # not patched yet, or replaced since (a reload, a stand-in)
                 if not _takes_params_only(current):
                     warnings.warn(f"zero_lifetime: {_MODULE}.{_NAME} is not the function of TRL 1.16 "
                                   "(params only); left as it is. TRL's fused LM head may then fail in its backward "
@@ -74,18 +90,9 @@ class TrlFusedHead:
                 _original, _patched = current, _gathers_zero3_params_only(current)
                 setattr(module, _NAME, _patched)
             _holders += 1
-            self._holding = True
+            self._hold = weakref.finalize(self, _let_go)
+            self._hold.atexit = False  # nothing to put back for a process that ends
 
     def release(self) -> None:
-        global _holders, _original, _patched
-        if not self._holding:
-            return
-        self._holding = False
-        with _lock:
-            _holders -= 1
-            if _holders:
-                return
-            module = sys.modules.get(_MODULE)
-            if module is not None and getattr(module, _NAME, None) is _patched:  # nobody patched it since
-                setattr(module, _NAME, _original)
-            _original = _patched = None
+        if self._hold is not None:
+            self._hold()  # runs _let_go at most once, here or at garbage collection
