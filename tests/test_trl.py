@@ -159,13 +159,17 @@ def test_grpo_trainer_installed_matches_stock(tmp_path):
 
 
 @pytest.fixture
-def no_installed_engine_left():
-    """Other tests' installed ZeRO-3 engines, never destroyed, stay alive (DeepSpeed keeps them)
-    and hold the patch: uninstalled here, so the patch's lifetime is these tests' engines'."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
+def no_other_holds():
+    """Other tests' installations may outlive their engines: DeepSpeed keeps a ZeRO-3 model alive
+    after its engine is gone, the installation's hooks on it keep the installation, and
+    test_lifetime_programs freezes its installed engines out of garbage collection. Their holds
+    on the patch are let go here, so the patch's lifetime is these tests' engines'."""
+    from zero_lifetime.integrations.trl_fused_head import TrlFusedHead
+    gc.unfreeze()  # frozen objects are neither collected nor listed by gc.get_objects()
     gc.collect()
-    for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
-        zero_lifetime.uninstall(engine)
+    for hold in [o for o in gc.get_objects() if isinstance(o, TrlFusedHead)]:
+        hold.release()
+    gc.freeze()  # as they were: out of later collections
 
 
 def _recording_gather(calls):
@@ -178,7 +182,7 @@ def _recording_gather(calls):
 
 
 def test_fused_head_gathers_only_zero3_params_while_an_installed_zero3_engine_lives(monkeypatch,
-                                                                                    no_installed_engine_left):
+                                                                                    no_other_holds):
     """TRL's function sees the ZeRO-3 params it is given (and None, as TRL passes a missing bias)
     but not a tensor without ds_status; ZeRO-2 installs patch nothing; the last ZeRO-3 engine
     uninstalled puts TRL's function back."""
@@ -206,7 +210,7 @@ def test_fused_head_gathers_only_zero3_params_while_an_installed_zero3_engine_li
     first.destroy()
 
 
-def test_fused_head_patched_at_the_first_forward_when_trl_comes_after_install(monkeypatch, no_installed_engine_left):
+def test_fused_head_patched_at_the_first_forward_when_trl_comes_after_install(monkeypatch, no_other_holds):
     calls = []
     original = _recording_gather(calls)
     monkeypatch.setattr(trl.trainer.utils, "maybe_gather_lm_head_ctx", original)
@@ -223,7 +227,7 @@ def test_fused_head_patched_at_the_first_forward_when_trl_comes_after_install(mo
     assert trl.trainer.utils.maybe_gather_lm_head_ctx is original
 
 
-def test_fused_head_of_another_shape_is_left_alone_with_a_warning(monkeypatch, no_installed_engine_left):
+def test_fused_head_of_another_shape_is_left_alone_with_a_warning(monkeypatch, no_other_holds):
     def maybe_gather_lm_head_ctx(weight, bias=None):  # not TRL 1.16's (*params)
         return contextlib.nullcontext()
 
@@ -235,7 +239,7 @@ def test_fused_head_of_another_shape_is_left_alone_with_a_warning(monkeypatch, n
     engine.destroy()
 
 
-def test_fused_head_hold_of_an_installation_gone_without_uninstall_is_let_go(monkeypatch, no_installed_engine_left):
+def test_fused_head_hold_of_an_installation_gone_without_uninstall_is_let_go(monkeypatch, no_other_holds):
     """A hold whose installation was dropped without destroy() or uninstall() ends with it."""
     from zero_lifetime.integrations.trl_fused_head import TrlFusedHead
     original = _recording_gather([])

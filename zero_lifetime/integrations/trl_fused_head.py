@@ -22,10 +22,13 @@ import weakref
 _MODULE = "trl.trainer.utils"
 _NAME = "maybe_gather_lm_head_ctx"
 
-_lock = threading.RLock()  # re-entered when a collection inside the lock finalizes a hold
-_holders = 0
+_lock = threading.RLock()  # a collection inside a locked block may run _let_go in this thread
+_holds = set()  # one token per hold not let go yet
 _original = None
 _patched = None
+# A settle running: a finalizer that a collection runs inside it only drops its token, and leaves
+# the function alone (the settle ends holding it, so nothing is to be put back).
+_settling = False
 
 
 def _gathers_zero3_params_only(original):
@@ -47,15 +50,17 @@ def _takes_params_only(function) -> bool:
     return len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
 
 
-def _let_go() -> None:
-    """One hold less; the last puts TRL's function back, unless it was replaced since."""
-    global _holders, _original, _patched
+def _let_go(token) -> None:
+    """A hold ends; with none left, TRL's function is put back, unless it was replaced since."""
+    global _original, _patched
+    _holds.discard(token)
+    if _settling:
+        return
     with _lock:
-        _holders -= 1
-        if _holders:
+        if _holds:
             return
         module = sys.modules.get(_MODULE)
-        if module is not None and getattr(module, _NAME, None) is _patched:
+        if module is not None and _patched is not None and getattr(module, _NAME, None) is _patched:
             setattr(module, _NAME, _original)
         _original = _patched = None
 
@@ -71,27 +76,32 @@ class TrlFusedHead:
         self._hold = None  # a finalizer that lets go once
 
     def settle_if_trl_imported(self) -> None:
-        global _holders, _original, _patched
+        global _original, _patched, _settling
         module = sys.modules.get(_MODULE)
-        if module is None:
+        if module is None or self._hold is not None:
             return
         self.settled = True
         with _lock:
-            current = getattr(module, _NAME, None)
-            if current is None:
-                return  # a TRL without the fused LM head
-            if current is not _patched:  # not patched yet, or replaced since (a reload, a stand-in)
-                if not _takes_params_only(current):
-                    warnings.warn(f"zero_lifetime: {_MODULE}.{_NAME} is not the function of TRL 1.16 "
-                                  "(params only); left as it is. TRL's fused LM head may then fail in its backward "
-                                  "with AttributeError: 'Tensor' object has no attribute 'ds_status'.",
-                                  RuntimeWarning, stacklevel=2)
-                    return
-                _original, _patched = current, _gathers_zero3_params_only(current)
-                setattr(module, _NAME, _patched)
-            _holders += 1
-            self._hold = weakref.finalize(self, _let_go)
-            self._hold.atexit = False  # nothing to put back for a process that ends
+            _settling = True
+            try:
+                current = getattr(module, _NAME, None)
+                if current is None:
+                    return  # a TRL without the fused LM head
+                if current is not _patched:  # not patched yet, or replaced since (a reload, a stand-in)
+                    if not _takes_params_only(current):
+                        warnings.warn(f"zero_lifetime: {_MODULE}.{_NAME} is not the function of TRL 1.16 "
+                                      "(params only); left as it is. TRL's fused LM head may then fail in its "
+                                      "backward with AttributeError: 'Tensor' object has no attribute 'ds_status'.",
+                                      RuntimeWarning, stacklevel=2)
+                        return
+                    _original, _patched = current, _gathers_zero3_params_only(current)
+                    setattr(module, _NAME, _patched)
+                token = object()
+                _holds.add(token)
+                self._hold = weakref.finalize(self, _let_go, token)
+                self._hold.atexit = False  # nothing to put back for a process that ends
+            finally:
+                _settling = False
 
     def release(self) -> None:
         if self._hold is not None:
