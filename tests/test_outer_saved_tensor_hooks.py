@@ -5,6 +5,11 @@ its tracker's pair around its forward: an outer pair (torch's ``save_on_cpu()``,
 ``activation_offloading``) saw none of the tensors the model saved, so what stock DeepSpeed
 offloaded stayed in device memory. Installed, the tracker keeps the params and the outer pair
 gets the rest, exactly what stock gives it (``zero_lifetime/outer_saved_tensor_hooks.py``).
+
+A pair pushed *inside* the forward (TRL gives the output head a no-op pair) hides the params
+saved under it from the tracker. Two backwards through them still match torch: the tracker sets
+DeepSpeed's module counters back before the second, so DeepSpeed's own pre-backward hooks
+gather them again (stock fails there).
 """
 
 import pytest
@@ -40,6 +45,57 @@ class CountingHooks:
         param, copy = packed
         self.unpacked += not param
         return copy
+
+
+MODELS = ["mlp_norm", "raw_alias", "tied_lm", "ckpt_reentrant", "ckpt_nonreentrant"]
+
+
+def _noop_pair_around(module):
+    """TRL's way of keeping a module out of activation offloading
+    (``trl.models.activation_offloading.get_act_offloading_ctx_manager``)."""
+    offloading = pytest.importorskip("trl.models.activation_offloading")
+    noop = offloading.NoOpManager()
+    module.register_forward_pre_hook(lambda *_: noop.__enter__())
+    module.register_forward_hook(lambda *_: noop.__exit__(), always_call=True)
+
+
+def _two_backwards_under_inner_noop_pairs(model_name, where, install, policy, path):
+    engine, reference, ref_opt = make_pair(model_name, 3)
+    if where == "root":
+        _noop_pair_around(engine.module)
+    else:  # every module that owns params
+        for module in engine.module.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                _noop_pair_around(module)
+    if install:
+        zero_lifetime.install(engine, policy=policy)
+    try:
+        for step in range(3):
+            x = make_input(model_name, step)
+            engine_losses, reference_losses = losses(engine(x)), losses(reference(x))
+            backward_both(engine, *engine_losses, path, zero_grad=False)
+            engine.step()
+            reference_step_both(ref_opt, *reference_losses, zero_grad=False)
+        assert_weights_match(engine, reference)
+        if install:
+            assert zero_lifetime.stats(engine)["pinned_params"] == 0
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("where", ["root", "every"])
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+def test_two_backwards_under_inner_noop_pairs_match_torch(path, policy, model_name, where):
+    _two_backwards_under_inner_noop_pairs(model_name, where, True, policy, path)
+
+
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+def test_stock_fails_two_backwards_under_an_inner_noop_pair(path):
+    """What the test above guards against: the params saved under the inner pair were released."""
+    with pytest.raises(RuntimeError, match="size|match"):
+        _two_backwards_under_inner_noop_pairs("mlp_norm", "every", False, None, path)
 
 
 def _outer_hooks_over_one_step(stage, install):
