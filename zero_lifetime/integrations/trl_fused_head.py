@@ -26,9 +26,10 @@ _lock = threading.RLock()  # a collection inside a locked block may run _let_go 
 _holds = set()  # one token per hold not let go yet
 _original = None
 _patched = None
-# A settle running: a finalizer that a collection runs inside it only drops its token, and leaves
-# the function alone (the settle ends holding it, so nothing is to be put back).
-_settling = False
+# A settle running in this thread: a finalizer that a collection runs inside it only drops its
+# token, and leaves the function alone (the settle ends holding it, so nothing is to be put
+# back). Per thread: another thread's finalizer waits for the lock and then sees the holds.
+_settling = threading.local()
 
 
 def _gathers_zero3_params_only(original):
@@ -54,7 +55,7 @@ def _let_go(token) -> None:
     """A hold ends; with none left, TRL's function is put back, unless it was replaced since."""
     global _original, _patched
     _holds.discard(token)
-    if _settling:
+    if getattr(_settling, "active", False):
         return
     with _lock:
         if _holds:
@@ -76,13 +77,13 @@ class TrlFusedHead:
         self._hold = None  # a finalizer that lets go once
 
     def settle_if_trl_imported(self) -> None:
-        global _original, _patched, _settling
+        global _original, _patched
         module = sys.modules.get(_MODULE)
         if module is None or self._hold is not None:
             return
         self.settled = True
         with _lock:
-            _settling = True
+            _settling.active = True
             try:
                 current = getattr(module, _NAME, None)
                 if current is None:
@@ -101,7 +102,7 @@ class TrlFusedHead:
                 self._hold = weakref.finalize(self, _let_go, token)
                 self._hold.atexit = False  # nothing to put back for a process that ends
             finally:
-                _settling = False
+                _settling.active = False
 
     def release(self) -> None:
         if self._hold is not None:
