@@ -69,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unregister_all", &Tracker::unregister_all)
       .def("note_gathered", &Tracker::note_gathered, py::arg("param"))
       .def("note_released", &Tracker::note_released, py::arg("param"))
-      .def("advance_weights_epoch", &Tracker::advance_weights_epoch)
+      .def("advance_weights_epoch", &Tracker::advance_weights_epoch, py::arg("step_note") = std::string())
       .def("refcount", &Tracker::refcount, py::arg("param"))
       .def("is_pinned", &Tracker::is_pinned, py::arg("param"))
       .def("force_unpin_all", &Tracker::force_unpin_all)

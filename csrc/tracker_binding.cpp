@@ -409,7 +409,7 @@ py::object Tracker::unpack(py::handle obj) {
               " was updated by an optimizer step() after the forward that saved it for this "
               "backward. torch refuses the same for a param modified in place (\"one of the "
               "variables needed for gradient computation has been modified by an inplace "
-              "operation\"); run a new forward after step()");
+              "operation\"); run a new forward after step()", step_note_.empty() ? "" : ". ", step_note_);
   const auto entry = params_.find(h->id);
   TORCH_CHECK(entry != params_.end(), "zero_lifetime: saved param ds_id=", h->id,
               " is no longer registered");

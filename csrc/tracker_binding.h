@@ -48,7 +48,12 @@ class __attribute__((visibility("hidden"))) Tracker {
   void note_gathered_all(py::handle params);
   void note_released(py::handle param);
   // An optimizer step changed the weights: handles saved before it refuse to unpack.
-  void advance_weights_epoch() { ++weights_epoch_; }
+  // `step_note`: who took that step, when the refusal alone would not tell the user
+  // (accelerate's backward() steps by itself); empty for none.
+  void advance_weights_epoch(std::string step_note) {
+    ++weights_epoch_;
+    step_note_ = std::move(step_note);
+  }
 
   // Hot path. `self` is this tracker's Python object: handles keep it alive.
   py::object pack(py::handle self, py::handle tensor);
@@ -90,6 +95,7 @@ class __attribute__((visibility("hidden"))) Tracker {
   // Handles from before unregister_all() carry an older generation and become inert.
   uint64_t generation_ = 0;
   uint64_t weights_epoch_ = 0;
+  std::string step_note_;  // appended to the refusal of a handle saved before the latest step
   py::object gather_ = py::none();
   py::object on_pinned_ = py::none();
   py::object on_unpinned_ = py::none();

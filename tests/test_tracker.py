@@ -518,6 +518,24 @@ def test_handles_saved_before_a_weights_update_refuse_to_unpack(Tracker, policy)
     assert_grads_match(x, params, values, x_value)
 
 
+def test_refusal_says_who_took_the_step_when_told(Tracker):
+    """A step the user did not call (accelerate's backward() takes one) is named in the refusal;
+    the next step without a note drops it."""
+    sim, params, values, x_value = build(Tracker, "regather")
+    tr = sim.tracker
+
+    def refusal_after(step_note):
+        with torch.autograd.graph.saved_tensors_hooks(tr.pack, tr.unpack):
+            stale = forward(x_value.clone().requires_grad_(), **params).pow(2).sum()
+        tr.advance_weights_epoch(step_note)
+        with pytest.raises(RuntimeError, match="updated by an optimizer step") as refused:
+            stale.backward()
+        return str(refused.value)
+
+    assert "accelerate stepped here" in refusal_after("accelerate stepped here")
+    assert "accelerate stepped here" not in refusal_after("")
+
+
 def test_callback_error_in_handle_death_is_reported_not_raised(Tracker, monkeypatch):
     p = make_param(0, torch.randn(3))
     tr = Tracker("pin", -1)

@@ -15,7 +15,8 @@ from .adapters.errors import UnsupportedDeepSpeedError, require_supported_versio
 from .adapters.patching import Patches
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
-from .integrations.accelerate_steps import add_hint_if_stale_graph, step_called_by_accelerate_backward
+from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hint_if_stale_graph,
+                                           step_called_by_accelerate_backward)
 from .reporting import StatsReporter, get_logger
 from .output_views import OutputViews
 from .tensor_containers import tensors_in
@@ -305,8 +306,9 @@ class Installation:
         """A backward through a graph saved before this step must fail, as in torch (a param
         modified in place). DeepSpeed writes the new weights through ``.data``, which torch's
         check does not see, so the stale graph would run with the new weights, silently."""
-        if self.lifetime is not None:
-            self.lifetime.weights_changed()  # ZeRO-3: saved params go through the tracker's hooks
+        if self.lifetime is not None:  # ZeRO-3: saved params go through the tracker's hooks
+            # Its refusal is raised inside autograd, also under loss.backward(): it carries the note.
+            self.lifetime.weights_changed(ACCELERATE_STEP_NOTE if self._stepped_by_accelerate_backward else "")
         else:
             for param in self._trainable:  # ZeRO-1/2: torch's own check then fires
                 torch.autograd.graph.increment_version(param)

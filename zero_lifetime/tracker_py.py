@@ -102,6 +102,7 @@ class Tracker:
         # Handles made before unregister_all() carry an older generation and are inert.
         self._generation = 0
         self._weights_epoch = 0  # advanced by each optimizer step that changed the weights
+        self._step_note = ""  # who took the latest step, when the refusal alone would not say
         self._gather: Optional[Callable[[Any], Any]] = None
         self._on_pinned: Optional[Callable[[Any], Any]] = None
         self._on_unpinned: Optional[Callable[[Any], Any]] = None
@@ -147,9 +148,12 @@ class Tracker:
             self._numel[ds_id] = numel
             self._id_by_obj[id(p)] = ds_id
 
-    def advance_weights_epoch(self) -> None:
-        """An optimizer step changed the weights: handles saved before it refuse to unpack."""
+    def advance_weights_epoch(self, step_note: str = "") -> None:
+        """An optimizer step changed the weights: handles saved before it refuse to unpack.
+        ``step_note``: who took that step, added to the refusal (accelerate's backward() steps
+        by itself, which the refusal alone would not tell)."""
         self._weights_epoch += 1
+        self._step_note = step_note
 
     def unregister_all(self) -> None:
         """Forget every param. Live handles become inert (their death releases nothing)."""
@@ -303,7 +307,7 @@ class Tracker:
                 f"zero_lifetime: param ds_id={ds_id} was updated by an optimizer step() after the forward "
                 "that saved it for this backward. torch refuses the same for a param modified in place "
                 "(\"one of the variables needed for gradient computation has been modified by an inplace "
-                "operation\"); run a new forward after step()")
+                "operation\"); run a new forward after step()" + (f". {self._step_note}" if self._step_note else ""))
         p = self._params[ds_id]
         if self._needs_gather(p, ds_id):
             if self._gather is None:

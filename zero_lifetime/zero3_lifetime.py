@@ -79,9 +79,10 @@ class Zero3Lifetime:
         # written, never traced (Dynamo would guard on the params' state and recompile).
         return torch.compiler.disable(note_gathered_before_forward)
 
-    def weights_changed(self) -> None:
-        """An optimizer step updated the weights: params saved before it refuse to unpack."""
-        self.tracker.advance_weights_epoch()
+    def weights_changed(self, step_note: str = "") -> None:
+        """An optimizer step updated the weights: params saved before it refuse to unpack,
+        saying ``step_note`` too (who took the step, where the user did not)."""
+        self.tracker.advance_weights_epoch(step_note)
 
     def after_forward(self) -> None:
         self._counters_after_forward = self.zparams.module_counters(self._modules)

@@ -6,7 +6,9 @@ So a training step written for plain torch, ``accelerator.backward(first, retain
 then ``accelerator.backward(second)``, steps between its two backwards, and the second runs
 through a graph saved before the weights changed. Installed engines refuse that as torch
 refuses a param modified in place; the error alone does not say that the step() was
-accelerate's, which the note added here does.
+accelerate's, which the note added here does. On ZeRO-3 the tracker's refusal carries it in
+its message, so a second backward through ``loss.backward()`` gets it too; on ZeRO-1/2 that
+refusal is torch's own, and only ``engine.backward`` adds the note.
 """
 
 import sys
@@ -39,5 +41,10 @@ def step_called_by_accelerate_backward() -> bool:
 
 
 def add_hint_if_stale_graph(error: BaseException) -> None:
-    if isinstance(error, RuntimeError) and any(message in str(error) for message in _STALE_GRAPH_MESSAGES):
+    if not isinstance(error, RuntimeError):
+        return
+    message = str(error)
+    # ZeRO-3's tracker says it in its refusal already (raised inside autograd, where it is the
+    # only way to reach a loss.backward() caller).
+    if HINT not in message and any(stale in message for stale in _STALE_GRAPH_MESSAGES):
         error.add_note(HINT)
