@@ -2,7 +2,8 @@
 and step() on installed engines (1 rank), each operation checked against plain torch.
 
 See lifetime_programs.py for what a program does and what is asserted after each operation.
-ZL_LIFETIME_PROGRAMS sets the number of seeds per case (CI: 10; release testing: 100 or more).
+ZL_LIFETIME_PROGRAMS sets the number of seeds per case (CI: 10; release testing: 100 or more);
+ZL_LIFETIME_FIRST_SEED where they start (default 0), to run programs no earlier run has tried.
 """
 
 import os
@@ -12,7 +13,8 @@ import pytest
 from harness import MODELS
 from lifetime_programs import run_program
 
-SEEDS = range(int(os.environ.get("ZL_LIFETIME_PROGRAMS", "10")))
+_FIRST_SEED = int(os.environ.get("ZL_LIFETIME_FIRST_SEED", "0"))
+SEEDS = range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("ZL_LIFETIME_PROGRAMS", "10")))
 LENGTH = 40  # operations per program
 EVERY_STAGE_AND_POLICY = pytest.mark.parametrize(
     "stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")],
