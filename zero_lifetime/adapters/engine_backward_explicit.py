@@ -21,11 +21,25 @@ from .patching import Patches
 _PROLOGUE, _EPILOGUE = "_backward_prologue", "_backward_epilogue"
 
 
+def _refuse_a_pipeline_of_several_stages(engine) -> None:
+    """A pipeline's stages before the last backward through ``torch.autograd.backward`` in its
+    schedule (``PipelineEngine._exec_backward_pass``) and reduce after it: a backward outside
+    engine.backward, which this protocol refuses at its first gradient. Refused here, at install,
+    rather than mid-schedule. (One stage backwards through engine.backward: supported.)"""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    if isinstance(engine, PipelineEngine) and getattr(engine, "num_stages", 1) > 1:
+        raise unsupported_feature(
+            f"a pipeline of {engine.num_stages} stages",
+            "every stage but the last backwards outside engine.backward(loss), and this DeepSpeed reduces "
+            "gradients only inside it (from DeepSpeed 0.18 on zero_lifetime supports such backwards)")
+
+
 class ExplicitEngineBackward(EngineBackwardBase):
 
     supports_torch_style_backward = False
 
     def __init__(self, engine):
+        _refuse_a_pipeline_of_several_stages(engine)
         super().__init__(engine)
         for name in (_PROLOGUE, _EPILOGUE):
             require(engine, name, "the engine backward prologue/epilogue")
