@@ -120,7 +120,8 @@ def _run(sc, rank):
     record = {"abs_diff": {name: (p.detach() - want[_oracle_name(name, sc["ep"], rank)]).abs().max().item()
                            for name, p in engine.module.named_parameters()},
               "weights": {name: p.detach().flatten().tolist() for name, p in engine.module.named_parameters()},
-              "expert_params": [name for name, p in engine.module.named_parameters() if not getattr(p, "allreduce", True)]}
+              "expert_params": [name for name, p in engine.module.named_parameters()
+                                if not getattr(p, "allreduce", True)]}
     if sc["install"]:
         record["stats"] = {k: v for k, v in zero_lifetime.stats(engine).items() if isinstance(v, (int, float, bool))}
         zero_lifetime.uninstall(engine)

@@ -62,7 +62,8 @@ def test_pipeline_training_installed_matches_torch(pipeline_results, sc):
         if not _misses_torch(record):
             continue
         assert not STOCK_MATCHES_TORCH, f"rank {rank}: {record['abs_diff']}"
-        assert stock.get(rank, {}).get("weights"), f"rank {rank} misses torch, and stock did not run: {record['abs_diff']}"
+        assert stock.get(rank, {}).get("weights"), \
+            f"rank {rank} misses torch, and stock did not run: {record['abs_diff']}"
         for name, got in record["weights"].items():  # what this release's own pipeline engine computes
             torch.testing.assert_close(torch.tensor(got), torch.tensor(stock[rank]["weights"][name]),
                                        atol=ATOL, rtol=1e-4, msg=f"rank {rank}: {name}")
