@@ -226,6 +226,27 @@ void Tracker::note_gathered_all(py::handle params) {
 
 void Tracker::note_released(py::handle param) { core_.clear_range(registered_id(param)); }
 
+namespace {
+// Enough for a loop that alternates a few kinds of step; a handle older than all of them
+// is refused without a note rather than with a wrong one.
+constexpr size_t kMaxStepNoteRuns = 16;
+const std::string kNoNote;
+}  // namespace
+
+void Tracker::advance_weights_epoch(std::string step_note) {
+  ++weights_epoch_;
+  if (!step_note_runs_.empty() && step_note_runs_.back().note == step_note) return;
+  step_note_runs_.push_back({weights_epoch_, std::move(step_note)});
+  if (step_note_runs_.size() > kMaxStepNoteRuns) step_note_runs_.pop_front();
+}
+
+const std::string& Tracker::note_of_step(uint64_t epoch) const {
+  for (auto run = step_note_runs_.rbegin(); run != step_note_runs_.rend(); ++run) {
+    if (run->first_epoch <= epoch) return run->note;
+  }
+  return kNoNote;
+}
+
 const Tracker::ParamEntry* Tracker::resolve(const at::Tensor& t, int64_t& id) const {
   // (a) the parameter object itself: its TensorImpl is registered.
   const auto direct = id_by_impl_.find(t.unsafeGetTensorImpl());
@@ -409,7 +430,8 @@ py::object Tracker::unpack(py::handle obj) {
               " was updated by an optimizer step() after the forward that saved it for this "
               "backward. torch refuses the same for a param modified in place (\"one of the "
               "variables needed for gradient computation has been modified by an inplace "
-              "operation\"); run a new forward after step()", step_note_.empty() ? "" : ". ", step_note_);
+              "operation\"); run a new forward after step()",
+              note_of_step(h->weights_epoch + 1).empty() ? "" : ". ", note_of_step(h->weights_epoch + 1));
   const auto entry = params_.find(h->id);
   TORCH_CHECK(entry != params_.end(), "zero_lifetime: saved param ds_id=", h->id,
               " is no longer registered");

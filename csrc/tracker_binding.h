@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -50,10 +51,7 @@ class __attribute__((visibility("hidden"))) Tracker {
   // An optimizer step changed the weights: handles saved before it refuse to unpack.
   // `step_note`: who took that step, when the refusal alone would not tell the user
   // (accelerate's backward() steps by itself); empty for none.
-  void advance_weights_epoch(std::string step_note) {
-    ++weights_epoch_;
-    step_note_ = std::move(step_note);
-  }
+  void advance_weights_epoch(std::string step_note);
 
   // Hot path. `self` is this tracker's Python object: handles keep it alive.
   py::object pack(py::handle self, py::handle tensor);
@@ -95,7 +93,15 @@ class __attribute__((visibility("hidden"))) Tracker {
   // Handles from before unregister_all() carry an older generation and become inert.
   uint64_t generation_ = 0;
   uint64_t weights_epoch_ = 0;
-  std::string step_note_;  // appended to the refusal of a handle saved before the latest step
+  // The note of each step, as runs of equal notes (an accelerate loop: one run), so a
+  // refusal names the first step after its handle's forward, not the latest one. Bounded:
+  // the oldest runs are dropped, and a step older than every run kept has no note.
+  struct StepNoteRun {
+    uint64_t first_epoch;
+    std::string note;
+  };
+  std::deque<StepNoteRun> step_note_runs_;
+  const std::string& note_of_step(uint64_t epoch) const;
   py::object gather_ = py::none();
   py::object on_pinned_ = py::none();
   py::object on_unpinned_ = py::none();

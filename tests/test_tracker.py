@@ -536,6 +536,31 @@ def test_refusal_says_who_took_the_step_when_told(Tracker):
     assert "accelerate stepped here" not in refusal_after("")
 
 
+def test_refusal_names_the_first_step_after_the_forward_not_the_latest(Tracker):
+    """The refusal is caused by the first step after the handle's forward; later steps, with
+    or without a note, do not change what it says. A handle older than every step kept (16
+    runs of equal notes) is refused with no note rather than a wrong one."""
+    sim, params, values, x_value = build(Tracker, "regather")
+    tr = sim.tracker
+
+    def refusal_after(*step_notes):
+        with torch.autograd.graph.saved_tensors_hooks(tr.pack, tr.unpack):
+            stale = forward(x_value.clone().requires_grad_(), **params).pow(2).sum()
+        for note in step_notes:
+            tr.advance_weights_epoch(note)
+        with pytest.raises(RuntimeError, match="updated by an optimizer step") as refused:
+            stale.backward()
+        return str(refused.value)
+
+    first_noted = refusal_after("accelerate stepped here", "", "another stepper")
+    assert "accelerate stepped here" in first_noted and "another stepper" not in first_noted
+    first_bare = refusal_after("", "accelerate stepped here")
+    assert "accelerate stepped here" not in first_bare
+    assert refusal_after("same", "same", "same").endswith("same")
+    evicted = refusal_after("old note", *[f"note {i}" for i in range(16)])
+    assert "note" not in evicted.split("after step()")[-1]
+
+
 def test_callback_error_in_handle_death_is_reported_not_raised(Tracker, monkeypatch):
     p = make_param(0, torch.randn(3))
     tr = Tracker("pin", -1)

@@ -17,12 +17,16 @@ This module must not import deepspeed: it is the fallback when nothing else work
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 POLICIES = ("regather", "pin")
+
+# As the C++ tracker's kMaxStepNoteRuns: a handle older than every run kept gets no note.
+_MAX_STEP_NOTE_RUNS = 16
 
 _STAT_KEYS = (
     "pinned_params",
@@ -102,7 +106,9 @@ class Tracker:
         # Handles made before unregister_all() carry an older generation and are inert.
         self._generation = 0
         self._weights_epoch = 0  # advanced by each optimizer step that changed the weights
-        self._step_note = ""  # who took the latest step, when the refusal alone would not say
+        # Who took each step, as runs of equal notes [first epoch, note], so a refusal names
+        # the first step after its forward (the C++ tracker keeps the same, bounded alike).
+        self._step_note_runs: collections.deque = collections.deque(maxlen=_MAX_STEP_NOTE_RUNS)
         self._gather: Optional[Callable[[Any], Any]] = None
         self._on_pinned: Optional[Callable[[Any], Any]] = None
         self._on_unpinned: Optional[Callable[[Any], Any]] = None
@@ -153,7 +159,14 @@ class Tracker:
         ``step_note``: who took that step, added to the refusal (accelerate's backward() steps
         by itself, which the refusal alone would not tell)."""
         self._weights_epoch += 1
-        self._step_note = step_note
+        if not self._step_note_runs or self._step_note_runs[-1][1] != step_note:
+            self._step_note_runs.append((self._weights_epoch, step_note))
+
+    def _note_of_step(self, epoch: int) -> str:
+        for first_epoch, note in reversed(self._step_note_runs):
+            if first_epoch <= epoch:
+                return note
+        return ""
 
     def unregister_all(self) -> None:
         """Forget every param. Live handles become inert (their death releases nothing)."""
@@ -303,11 +316,12 @@ class Tracker:
         if obj._weights_epoch != self._weights_epoch:
             # torch refuses a saved tensor modified in place since the forward; with
             # saved-tensor hooks it does not check, so the step is checked here.
+            step_note = self._note_of_step(obj._weights_epoch + 1)
             raise RuntimeError(
                 f"zero_lifetime: param ds_id={ds_id} was updated by an optimizer step() after the forward "
                 "that saved it for this backward. torch refuses the same for a param modified in place "
                 "(\"one of the variables needed for gradient computation has been modified by an inplace "
-                "operation\"); run a new forward after step()" + (f". {self._step_note}" if self._step_note else ""))
+                "operation\"); run a new forward after step()" + (f". {step_note}" if step_note else ""))
         p = self._params[ds_id]
         if self._needs_gather(p, ds_id):
             if self._gather is None:
