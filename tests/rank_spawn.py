@@ -10,6 +10,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from zero_lifetime.single_rank import exit_without_finalizing, free_port
@@ -38,6 +39,11 @@ class RankResults:
                 with open(path, errors="replace") as f:
                     self.logs[rank] = f.read()[-3000:]
 
+    def assert_finished(self, expected_ids):
+        """Every rank ended before the deadline and wrote each expected scenario, no other."""
+        assert self.failure is None, f"{self.failure}; log tails: {self.logs}"
+        assert sorted(self.by_id) == sorted(expected_ids)
+
     def records(self, sid):
         """Every rank's record of one scenario; fails the test when one is missing or raised."""
         per_rank = self.by_id.get(sid, {})
@@ -48,6 +54,15 @@ class RankResults:
             pytest.fail(f"{sid}: no result from ranks {sorted(set(range(self.world)) - set(per_rank))} "
                         f"(spawn: {last_line}; see the test that checks the ranks finished)")
         return [per_rank[rank] for rank in range(self.world)]
+
+
+def assert_same_weights(got: dict, want: dict, rank: int, atol: float, rtol: float):
+    """Two records' ``weights`` (param name -> values as lists) hold the same params, each
+    equal within tolerance: an installed run held to another run of the same model."""
+    assert sorted(got) == sorted(want), f"rank {rank}: different params {sorted(got)} vs {sorted(want)}"
+    for name in want:
+        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 def _run_rank_then_exit(rank, main, *args):

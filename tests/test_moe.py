@@ -13,10 +13,9 @@ two backwards are held to what DeepSpeed computes with one.
 """
 
 import pytest
-import torch
 
 import moe_worker as worker
-from rank_spawn import spawn_ranks
+from rank_spawn import assert_same_weights, spawn_ranks
 
 ATOL = 1e-5
 # Releases whose own MoE at ep_size 1 on 2 ranks misses torch (test_stock_moe_ep1_on_older_releases).
@@ -31,8 +30,7 @@ def moe_results(tmp_path_factory):
 
 
 def test_moe_ranks_finished(moe_results):
-    assert moe_results.failure is None, f"{moe_results.failure}; log tails: {moe_results.logs}"
-    assert sorted(moe_results.by_id) == sorted(sc["id"] for sc in worker.SCENARIOS)
+    moe_results.assert_finished(sc["id"] for sc in worker.SCENARIOS)
 
 
 def _worst(record):
@@ -51,9 +49,7 @@ def test_moe_two_backwards_installed_match_torch(moe_results, sc):
         if stock is None:
             assert _worst(record) <= ATOL, f"rank {rank}: {record['abs_diff']}"
         else:  # what DeepSpeed itself computes with one backward of the summed loss
-            for name, got in record["weights"].items():
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(stock[rank]["weights"][name]),
-                                           atol=ATOL, rtol=1e-4, msg=f"rank {rank}: {name}")
+            assert_same_weights(record["weights"], stock[rank]["weights"], rank, atol=ATOL, rtol=1e-4)
         assert record["expert_params"], "the model has no expert params: the test checks nothing of MoE"
         assert record["stats"]["filled_grads"] > 0  # the fused bucket fill carried the gradients
 

@@ -11,10 +11,9 @@ torch): there installed runs are held to stock's, where stock runs.
 """
 
 import pytest
-import torch
 
 import pipeline_worker as worker
-from rank_spawn import spawn_ranks
+from rank_spawn import assert_same_weights, spawn_ranks
 
 ATOL = 1e-5
 STOCK_MATCHES_TORCH = worker.base.deepspeed_release() not in ("0.17.6", "0.18.9")
@@ -30,8 +29,7 @@ def pipeline_results(tmp_path_factory):
 
 
 def test_pipeline_ranks_finished(pipeline_results):
-    assert pipeline_results.failure is None, f"{pipeline_results.failure}; log tails: {pipeline_results.logs}"
-    assert sorted(pipeline_results.by_id) == sorted(sc["id"] for sc in worker.SCENARIOS)
+    pipeline_results.assert_finished(sc["id"] for sc in worker.SCENARIOS)
 
 
 INSTALLED = [sc for sc in worker.SCENARIOS if sc["install"]]
@@ -64,9 +62,8 @@ def test_pipeline_training_installed_matches_torch(pipeline_results, sc):
         assert not STOCK_MATCHES_TORCH, f"rank {rank}: {record['abs_diff']}"
         assert stock.get(rank, {}).get("weights"), \
             f"rank {rank} misses torch, and stock did not run: {record['abs_diff']}"
-        for name, got in record["weights"].items():  # what this release's own pipeline engine computes
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(stock[rank]["weights"][name]),
-                                       atol=ATOL, rtol=1e-4, msg=f"rank {rank}: {name}")
+        # what this release's own pipeline engine computes
+        assert_same_weights(record["weights"], stock[rank]["weights"], rank, atol=ATOL, rtol=1e-4)
     assert len(held) == 6  # every param of the five layers, on one rank or both
 
 

@@ -8,10 +8,9 @@ measured and the tests below assert on it, one named test per scenario.
 """
 
 import pytest
-import torch
 
 import two_rank_worker as worker
-from rank_spawn import spawn_ranks
+from rank_spawn import assert_same_weights, spawn_ranks
 
 SPAWN_DEADLINE_S = 600  # only reached when something hangs: a passing run takes 100-130 s unloaded, more on busy shared cores
 ATOL = worker.ATOL
@@ -52,8 +51,7 @@ def results(tmp_path_factory):
 
 
 def test_ranks_finished(results):
-    assert results.failure is None, f"{results.failure}; log tails: {results.logs}"
-    assert sorted(results.by_id) == sorted(_ids(worker.SCENARIOS))
+    results.assert_finished(_ids(worker.SCENARIOS))
 
 
 def _assert_matches_ddp(results, sc):
@@ -213,10 +211,7 @@ def test_multitask_bf16_offload_equals_no_offload(results, stage):
     with_offload = results.records(f"multitask-stage{stage}-offload-per_task-bf16")
     without = results.records(f"multitask-stage{stage}-no_offload-per_task-bf16")
     for rank in range(worker.WORLD):
-        got, want = with_offload[rank]["weights"], without[rank]["weights"]
-        for name in want:
-            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]), atol=1e-6, rtol=0,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        assert_same_weights(with_offload[rank]["weights"], without[rank]["weights"], rank, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("sc", ORDER_CHECKED, ids=_ids(ORDER_CHECKED))

@@ -302,8 +302,7 @@ def two_rank_results(tmp_path_factory):
 
 
 def test_two_ranks_finished(two_rank_results):
-    assert two_rank_results.failure is None, f"{two_rank_results.failure}; log tails: {two_rank_results.logs}"
-    assert sorted(two_rank_results.by_id) == sorted(sc["id"] for sc in worker.SCENARIOS)
+    two_rank_results.assert_finished(sc["id"] for sc in worker.SCENARIOS)
 
 
 FUSED_SCENARIOS = [sc for sc in worker.SCENARIOS if not sc["uninstall_first"]]
