@@ -182,11 +182,7 @@ def _run(sc, rank):
               "local_experts": {name: list(experts) for name, experts in local_experts.items()},
               "expert_params": [name for name, p in engine.module.named_parameters()
                                 if getattr(p, "ds_zero_placement_family", None) == "autoep_expert"]}
-    if sc["install"]:
-        record["stats"] = {k: v for k, v in zero_lifetime.stats(engine).items() if isinstance(v, (int, float, bool))}
-        zero_lifetime.uninstall(engine)
-    engine.destroy()
-    return record
+    return base.end_engine(engine, record, sc["install"])
 
 
 def main(rank, out_dir, port):

@@ -122,11 +122,7 @@ def _run(sc, rank):
               "weights": {name: p.detach().flatten().tolist() for name, p in engine.module.named_parameters()},
               "expert_params": [name for name, p in engine.module.named_parameters()
                                 if not getattr(p, "allreduce", True)]}
-    if sc["install"]:
-        record["stats"] = {k: v for k, v in zero_lifetime.stats(engine).items() if isinstance(v, (int, float, bool))}
-        zero_lifetime.uninstall(engine)
-    engine.destroy()
-    return record
+    return base.end_engine(engine, record, sc["install"])
 
 
 def main(rank, out_dir, port):

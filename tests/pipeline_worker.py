@@ -143,11 +143,7 @@ def _run(sc, rank):
               "weights": {name: p.detach().flatten().tolist() for name, p in engine.module.named_parameters()},
               "abs_diff": {name: (p.detach() - want[name]).abs().max().item()
                            for name, p in engine.module.named_parameters()}}
-    if sc["install"]:
-        record["filled_grads"] = zero_lifetime.stats(engine)["filled_grads"]
-        zero_lifetime.uninstall(engine)
-    engine.destroy()
-    return record
+    return base.end_engine(engine, record, sc["install"])
 
 
 def main(rank, out_dir, port):

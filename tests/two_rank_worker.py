@@ -402,6 +402,17 @@ def _average_over_ranks(grads):
         grad /= WORLD
 
 
+def end_engine(engine, record, installed):
+    """The end of a rank's run: an installed run's numeric ``stats()`` into ``record``, then
+    ``uninstall`` and ``engine.destroy()``; returns ``record``."""
+    import zero_lifetime
+    if installed:
+        record["stats"] = {k: v for k, v in zero_lifetime.stats(engine).items() if isinstance(v, (int, float, bool))}
+        zero_lifetime.uninstall(engine)
+    engine.destroy()
+    return record
+
+
 def _compare(got, want):
     """Per param: max |got - want| and max (|got - want| - RTOL |want|) (<= ATOL passes).
 
