@@ -22,16 +22,21 @@ LR = 0.1
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 8, 16, 4, 2, 6
 
 
-def _scenario(stage, ep, install=True, backwards="two", policy="regather"):
+def _scenario(stage, ep, install=True, backwards="two", policy="regather", gas=1):
     """``backwards``: "two" (first loss retained, then the second) or "summed" (one backward of
-    their sum: the stock check that the oracle and its mapping agree with DeepSpeed)."""
+    their sum: the stock check that the oracle and its mapping agree with DeepSpeed). ``gas``:
+    micro-batches per step (gradient accumulation)."""
     kind = "installed" if install else "stock"
-    sid = f"{kind}-autoep-stage{stage}-ep{ep}-{backwards}" + (f"-{policy}" if install and stage == 3 else "")
-    return dict(id=sid, stage=stage, ep=ep, install=install, backwards=backwards, policy=policy)
+    sid = (f"{kind}-autoep-stage{stage}-ep{ep}-{backwards}" + (f"-{policy}" if install and stage == 3 else "")
+           + (f"-gas{gas}" if gas > 1 else ""))
+    return dict(id=sid, stage=stage, ep=ep, install=install, backwards=backwards, policy=policy, gas=gas)
 
 
 SCENARIOS = [_scenario(stage, ep) for stage in (3, 2) for ep in (2, 1)] + [
     _scenario(3, 2, policy="pin"),
+    _scenario(3, 2, gas=2),
+    _scenario(2, 2, gas=2),
+    _scenario(3, 2, install=False, backwards="summed", gas=2),
     _scenario(3, 2, install=False, backwards="summed"),
     _scenario(3, 1, install=False, backwards="summed"),
     _scenario(2, 2, install=False, backwards="summed"),
@@ -112,18 +117,19 @@ def _losses(out):
     return out.pow(2).mean(), (out * torch.linspace(-1, 1, out.shape[-1])).sum() / out.shape[0]
 
 
-def _batch(step, rank):
+def _batch(micro_batch, rank):
     import torch
-    return torch.randn(2, TOKENS // 2, HIDDEN, generator=torch.Generator().manual_seed(100 * step + rank))
+    return torch.randn(2, TOKENS // 2, HIDDEN, generator=torch.Generator().manual_seed(100 * micro_batch + rank))
 
 
-def _oracle_weights():
+def _oracle_weights(gas):
     import torch
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
-        total = sum(sum(_losses(model(_batch(step, rank)))) for rank in range(WORLD)) / WORLD
-        total.backward()
+        micro_batches = range(step * gas, (step + 1) * gas)
+        total = sum(sum(_losses(model(_batch(m, rank)))) for m in micro_batches for rank in range(WORLD))
+        (total / (WORLD * gas)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return dict(model.named_parameters())
@@ -156,8 +162,8 @@ def _run(sc, rank):
     from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
 
     model = _model()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": sc["gas"],
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
               "zero_optimization": dict(ZERO3_EAGER_RELEASE if sc["stage"] == 3 else {}, stage=sc["stage"]),
               "expert_parallel": dict(AUTOEP_CONFIG, autoep_size=sc["ep"])}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -167,15 +173,15 @@ def _run(sc, rank):
                      for name, block in blocks.items()}
     if sc["install"]:
         zero_lifetime.install(engine, policy=sc["policy"] if sc["stage"] == 3 else None)
-    for step in range(STEPS):
-        first, second = _losses(engine(_batch(step, rank)))
+    for micro_batch in range(STEPS * sc["gas"]):  # engine.step() steps at each gas-th call
+        first, second = _losses(engine(_batch(micro_batch, rank)))
         if sc["backwards"] == "summed":
             engine.backward(first + second)
         else:
             engine.backward(first, retain_graph=True)
             engine.backward(second)
         engine.step()
-    want = _oracle_weights()
+    want = _oracle_weights(sc["gas"])
     got = _params(engine)
     record = {"abs_diff": {name: (p - _oracle_of(name, want, local_experts)).abs().max().item()
                            for name, p in got.items()},
