@@ -84,8 +84,10 @@ class GradHookGuard:
         self.hooks.keep_alive(node)
         return handle
 
-    def begin_backward(self) -> None:
-        self._taken.clear()
+    def begin_backward(self, taken_earlier=()) -> None:
+        """``taken_earlier``: ids of params whose gradient came before this backward (in the
+        engine's forward) and is reduced in it; what DeepSpeed's hooks took of those stays."""
+        self._taken = {key for key in self._taken if key in taken_earlier}
 
     def check_backward(self, got_gradient) -> None:
         """``got_gradient``: the params whose .grad this backward accumulated into."""

@@ -76,6 +76,9 @@ class Installation:
         self._engine_calls = 0  # engine forward/backward calls running (nested ones counted)
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
+        self._forwards_running = 0
+        # Params given a gradient by a backward inside this engine's forward, for the next backward.
+        self._gradients_before_backward = {}
         self._latest_forward = _ForwardOutputs()
         # Forwards whose outputs may still be backpropagated through (pruned as their hook
         # managers die): a backward over several of them must run DeepSpeed's prologue once.
@@ -205,7 +208,7 @@ class Installation:
             division = OutputDivision()
             if self.chained is not None:
                 args, kwargs = self.chained.undo_division_on_inputs(args, kwargs, division)
-            with self._engine_call():
+            with self._engine_call(), self._forward_running():
                 if self.lifetime is None:
                     output = original(*args, **kwargs)
                 else:
@@ -365,14 +368,39 @@ class Installation:
     def _make_before_accumulate(self, param):
 
         def before_accumulate(grad):
+            if self._forwards_running and not self.scope.open:
+                # A backward inside this engine's forward (DeepSpeed's TiledFusedLogitsLoss
+                # backwards each shard there). DeepSpeed's hooks take its gradients but reduce
+                # them in the user's backward that follows, as part of that one: so do we.
+                self._gradients_before_backward[id(param)] = param
+                return None
             self.enter_from_inner_hook()
             if self._accumulating:
+                self._refuse_held_back_gradient_in_a_backward_of_its_own(param)
                 self.window.note_gradient(param)
             if self.lifetime is not None:
                 self.lifetime.before_accumulate(param)
             return None
 
         return before_accumulate
+
+    def _refuse_held_back_gradient_in_a_backward_of_its_own(self, param) -> None:
+        """ZeRO-1/2 with CPU optimizer offload: shard backwards of DeepSpeed's tiled compute run
+        by the training loop (a TiledFusedLogitsLoss on the engine's output) between the forward
+        and the user's backward are reduced one by one here, and the offloaded step would apply
+        a wrong gradient (tests/test_tiled_compute.py); refused rather than wrong."""
+        adapter = self.window.adapter
+        if (self.stage == 3 or not adapter.offload or not adapter.gradient_held_back(param)
+                or self._entered_via_outputs or self._engine_calls):
+            return
+        name = next((n for n, p in self.engine.module.named_parameters() if p is param), "?")
+        raise UnsupportedDeepSpeedError(
+            f"zero_lifetime: param {name} got a gradient DeepSpeed holds back (ds_grad_is_ready=False: "
+            f"DeepSpeed's tiled compute, such as TiledFusedLogitsLoss) in a backward of its own, outside "
+            f"the engine's forward and backward, with ZeRO-{self.stage} CPU optimizer offload. Installed, "
+            f"those shard backwards would be reduced one by one and the offloaded step would apply a "
+            f"wrong gradient. Compute the tiled loss inside the model's forward (the engine's forward), "
+            f"or train without optimizer offload, or without zero_lifetime.")
 
     def enter_from_inner_hook(self) -> None:
         """Open a backward that reached us without passing the forward outputs."""
@@ -421,7 +449,10 @@ class Installation:
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()
             self.window.begin_backward()
-            self.grad_guard.begin_backward()
+            self.grad_guard.begin_backward(taken_earlier=self._gradients_before_backward)
+            for param in self._gradients_before_backward.values():
+                self.window.note_gradient(param)
+            self._gradients_before_backward = {}
             if self.accumulation is not None:
                 self.accumulation.begin_backward()
             if self._entered_via_outputs:
@@ -448,6 +479,14 @@ class Installation:
             self.grad_guard.check_backward(self.window.params_this_backward())
 
     # ---- faults ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _forward_running(self):
+        self._forwards_running += 1
+        try:
+            yield
+        finally:
+            self._forwards_running -= 1
 
     @contextlib.contextmanager
     def _engine_call(self):

@@ -40,6 +40,10 @@ class MicroStepWindow:
 
     def note_gradient(self, param) -> None:
         """A gradient for ``param`` is about to be accumulated (before DeepSpeed's hook)."""
+        if self.adapter.gradient_held_back(param):
+            # Reduced whole by a later backward (DeepSpeed's tiled compute): noted there, where
+            # the micro step, and so whether its accumulator is overwritten, is that backward's.
+            return
         key = id(param)
         if key in self._this_backward:
             return

@@ -24,6 +24,11 @@ INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
 # ZeRO-1/2's deferred boundary copy of offloaded gradients (0.19.8; 0.17.6 has none).
 ZERO12_OFFLOAD_FINALIZER = "_finalize_cpu_offload_gradient_accumulation"
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+# DeepSpeed's tiled compute (TiledMLP, TiledFusedLogitsLoss) backwards a module shard by shard,
+# each shard a backward of its own, and sets this False on the module's params until the last
+# shard: DeepSpeed's hooks then leave the summing gradient in .grad and reduce it whole at the
+# last. Absent means ready, as DeepSpeed reads it.
+_GRAD_READY_FLAG = "ds_grad_is_ready"
 
 
 def bucket_setup_method(optimizer) -> str:
@@ -88,6 +93,11 @@ class GradWindowAdapter:
         # Stage 1/2 advance micro_step_id from -1 at the first hook of each backward;
         # stage 3 advances it from 0 at the next forward after a backward.
         return self.optimizer.micro_step_id == (0 if self.stage == 3 else -1)
+
+    @staticmethod
+    def gradient_held_back(param) -> bool:
+        """Will DeepSpeed leave this gradient in ``param.grad`` for a later backward to reduce?"""
+        return not getattr(param, _GRAD_READY_FLAG, True)
 
     def clear_stale_accumulator(self, param) -> None:
         """Zero what ``param``'s accumulator kept from an earlier window."""
