@@ -7,6 +7,7 @@ one backward and two over one forward, stages 1-3 on 1 rank, against the same ML
 plain torch.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -52,14 +53,25 @@ def _batch(step):
     return torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(step))
 
 
-def _pair(stage, offload=False):
+def _pair(model_class, stage, offload=False):
+    """An engine over the tiled model, and the same model untiled in plain torch with its SGD."""
     torch.manual_seed(0)
-    model = TiledMLPModel()
+    model = model_class()
     reference = copy.deepcopy(model)
     model.tiled = True
     config = ds_config(stage, **(OFFLOAD if offload else {}))
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine, reference, torch.optim.SGD(reference.parameters(), lr=0.1)
+
+
+@contextlib.contextmanager
+def _installed(engine):
+    zero_lifetime.install(engine)
+    try:
+        yield
+    finally:
+        zero_lifetime.uninstall(engine)
+        engine.destroy()
 
 
 def _train(engine, reference, ref_opt, backwards, path):
@@ -89,21 +101,17 @@ def _train(engine, reference, ref_opt, backwards, path):
 @pytest.mark.parametrize("path", BACKWARD_PATHS)
 @pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 def test_tiled_mlp_installed_matches_torch(stage, backwards, path, offload):
-    engine, reference, ref_opt = _pair(stage, offload)
-    zero_lifetime.install(engine)
-    try:
+    engine, reference, ref_opt = _pair(TiledMLPModel, stage, offload)
+    with _installed(engine):
         _train(engine, reference, ref_opt, backwards, path)
         assert_weights_match(engine, reference)
         assert zero_lifetime.stats(engine)["filled_grads"] > 0  # the fused fill carried the gradients
-    finally:
-        zero_lifetime.uninstall(engine)
-        engine.destroy()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_stock_tiled_mlp_one_backward_matches_torch(stage):
     """The oracle (the MLP untiled) against DeepSpeed itself."""
-    engine, reference, ref_opt = _pair(stage)
+    engine, reference, ref_opt = _pair(TiledMLPModel, stage)
     try:
         _train(engine, reference, ref_opt, 1, "engine")
         assert_weights_match(engine, reference)
@@ -113,7 +121,7 @@ def test_stock_tiled_mlp_one_backward_matches_torch(stage):
 
 def test_stock_tiled_mlp_two_backwards_fail_on_zero3():
     """What install fixes, with tiled compute too."""
-    engine, reference, ref_opt = _pair(3)
+    engine, reference, ref_opt = _pair(TiledMLPModel, 3)
     try:
         with pytest.raises(RuntimeError, match="must match the size of tensor"):
             _train(engine, reference, ref_opt, 2, "engine")
@@ -165,15 +173,8 @@ def test_tiled_fused_logits_loss_installed_matches_torch(stage, backwards, offlo
     is reduced at the last, on ZeRO-3 in a later micro step than the window's first, so it must
     overwrite what the head's accumulator held from the last step (it was added to it: the
     head's previous gradient applied again)."""
-    torch.manual_seed(0)
-    model = TiledLossModel()
-    reference = copy.deepcopy(model)
-    model.tiled = True
-    config = ds_config(stage, **(OFFLOAD if offload else {}))
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    zero_lifetime.install(engine)
-    try:
+    engine, reference, ref_opt = _pair(TiledLossModel, stage, offload)
+    with _installed(engine):
         for step in range(3):
             aux, loss = engine(_batch(step), _labels(step))
             want_aux, want_loss = reference(_batch(step), _labels(step))
@@ -189,10 +190,6 @@ def test_tiled_fused_logits_loss_installed_matches_torch(stage, backwards, offlo
             ref_opt.step()
             ref_opt.zero_grad()
         assert_weights_match(engine, reference)
-    finally:
-        zero_lifetime.uninstall(engine)
-        engine.destroy()
-
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -200,15 +197,9 @@ def test_tiled_fused_logits_loss_installed_matches_torch(stage, backwards, offlo
 def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, offload):
     """The tiled loss applied to the engine's output by the training loop, outside the engine's
     forward: its shard backwards then come between the forward and the user's backward."""
-    torch.manual_seed(0)
-    model = TiledLossModel()
-    reference = copy.deepcopy(model)
-    model.loss_outside = True
-    config = ds_config(stage, **(OFFLOAD if offload else {}))
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    zero_lifetime.install(engine)
-    try:
+    engine, reference, ref_opt = _pair(TiledLossModel, stage, offload)
+    engine.module.loss_outside = True  # the torch twin computes its (untiled) loss inside
+    with _installed(engine):
         if not TORCH_STYLE_BACKWARD or (offload and stage != 3):
             # 0.17.6: refused as every backward outside engine.backward(loss) is there. ZeRO-1/2
             # offload: the shards would be reduced one by one, refused rather than wrong.
@@ -229,6 +220,3 @@ def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, offload)
             ref_opt.step()
             ref_opt.zero_grad()
         assert_weights_match(engine, reference)
-    finally:
-        zero_lifetime.uninstall(engine)
-        engine.destroy()
