@@ -220,3 +220,31 @@ def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, offload)
             ref_opt.step()
             ref_opt.zero_grad()
         assert_weights_match(engine, reference)
+
+
+class GradInForwardModel(torch.nn.Module):
+    """A forward that takes torch.autograd.grad of params: a penalty on the first layer's
+    gradient (kept in the graph, MAML-style), and a probe whose gradient is only read (the probe
+    gets no gradient from the loss). Backwards inside the forward that write no .grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.probe = torch.nn.Linear(HIDDEN, 1)
+        self.out = torch.nn.Linear(HIDDEN, 4)
+        self.tiled = False  # no tiled form: the same model on both sides
+
+    def forward(self, x):
+        hidden = torch.tanh(self.inp(x))
+        weight_grad, = torch.autograd.grad(hidden.pow(2).sum(), self.inp.weight, create_graph=True)
+        probe_grad, = torch.autograd.grad(self.probe(x).pow(2).sum(), self.probe.weight)
+        return self.out(hidden) + 0.01 * weight_grad.pow(2).sum() + 0.01 * probe_grad.sum()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_autograd_grad_inside_the_forward_matches_torch(stage, backwards):
+    engine, reference, ref_opt = _pair(GradInForwardModel, stage)
+    with _installed(engine):
+        _train(engine, reference, ref_opt, backwards, "engine")
+        assert_weights_match(engine, reference)

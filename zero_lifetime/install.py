@@ -372,7 +372,9 @@ class Installation:
                 # A backward inside this engine's forward (DeepSpeed's TiledFusedLogitsLoss
                 # backwards each shard there). DeepSpeed's hooks take its gradients but reduce
                 # them in the user's backward that follows, as part of that one: so do we.
-                self._gradients_before_backward[id(param)] = param
+                # (A torch.autograd.grad there writes no .grad: nothing to carry.)
+                if _will_accumulate(param):
+                    self._gradients_before_backward[id(param)] = param
                 return None
             self.enter_from_inner_hook()
             if self._accumulating:
@@ -416,19 +418,14 @@ class Installation:
 
     def _task_accumulates(self) -> bool:
         """Does the running graph task write any param's .grad (backward, not autograd.grad)?"""
-        will_execute = torch._C._will_engine_execute_node
-        # Look the AccumulateGrad nodes up now, never cache them: a node made while a
-        # ZeRO-3 param is released records its empty shape and would reject real grads.
-        with torch.enable_grad():
-            for param in self._trainable:
-                if not param.requires_grad:  # frozen for now (a GAN's D in the G step): no node
-                    continue
-                node = param.view_as(param).grad_fn.next_functions[0][0]
-                try:
-                    if will_execute(node):
-                        return True
-                except RuntimeError:  # a leaf passed to autograd.grad(): it never accumulates
-                    return False
+        for param in self._trainable:
+            if not param.requires_grad:  # frozen for now (a GAN's D in the G step): no node
+                continue
+            accumulates = _will_accumulate(param)
+            if accumulates is None:  # a leaf passed to autograd.grad(): it never accumulates
+                return False
+            if accumulates:
+                return True
         return False
 
     def _on_backward_start(self) -> None:
@@ -558,6 +555,19 @@ class Installation:
             result.update(self.lifetime.counts())
             result["traces_recorded"] = self.trace.traces_recorded
         return result
+
+
+def _will_accumulate(param) -> Optional[bool]:
+    """Will the running graph task write ``param``'s .grad? None when ``param`` is an input
+    of a torch.autograd.grad (which writes no .grad)."""
+    # Look the AccumulateGrad node up now, never cache it: a node made while a ZeRO-3 param
+    # is released records its empty shape and would reject real grads.
+    with torch.enable_grad():
+        node = param.view_as(param).grad_fn.next_functions[0][0]
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return None
 
 
 class _ForwardOutputs:
