@@ -259,6 +259,7 @@ class Installation:
             # optimizer holds must go too, or a following backward would add to them.
             self.backward.clear_reduced_grads()
             self.window.grads_cleared()
+            self._gradients_before_backward = {}  # gone with the .grad they were in
             return result
 
         return zero_grad
