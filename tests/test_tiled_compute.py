@@ -1,10 +1,14 @@
-"""DeepSpeed's tiled compute (``TiledMLP``, ``SequenceTiledCompute``, from its long-sequence
-training): a module run shard by shard along the sequence, its forward recomputed in backward
-and each shard backwarded by a nested ``torch.autograd.backward`` inside the outer backward.
-Until the last shard the params carry ``ds_grad_is_ready = False``, and DeepSpeed leaves their
-accumulating gradient out of the buckets; the last shard's hook adds the whole of it. Installed,
-one backward and two over one forward, stages 1-3 on 1 rank, against the same MLP untiled in
-plain torch.
+"""Backwards that DeepSpeed runs itself around the user's, installed, against plain torch (1 rank).
+
+DeepSpeed's tiled compute (``deepspeed.runtime.sequence_parallel.ulysses_sp``) runs a module
+shard by shard along the sequence, each shard backwarded by a ``torch.autograd.backward`` of
+its own. Until the last shard the params carry ``ds_grad_is_ready = False``, and DeepSpeed
+leaves their summing gradient in ``.grad``, reducing it whole at the last. ``TiledMLP`` does
+that inside the user's backward; ``TiledFusedLogitsLoss`` inside its forward, so its shard
+backwards come before the user's (inside the engine's forward, or after it when the training
+loop applies the loss to the engine's output). Also a ``torch.autograd.grad`` inside the
+forward, which writes no ``.grad``. Stages 1-3, with and without CPU optimizer offload, one
+backward and two over one forward, against the same modules untiled in plain torch.
 """
 
 import contextlib
