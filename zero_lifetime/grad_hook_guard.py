@@ -56,7 +56,7 @@ class GradHookGuard:
         # Checked after every backward for a gradient: looked up once here, since walking the
         # module tree with parameters() costs more than the rest of the check.
         self._unmanaged = [p for p in engine.module.parameters() if id(p) not in self._managed]
-        unmanaged = [self._names.get(id(p), "?") for p in self._unmanaged if p.requires_grad]
+        unmanaged = [self.name_of(p) for p in self._unmanaged if p.requires_grad]
         if unmanaged:
             raise ValueError(_unmanaged_message(unmanaged))
         if any(module is engine.module for module in self.hooks.leaf_modules()):
@@ -84,6 +84,10 @@ class GradHookGuard:
         self.hooks.keep_alive(node)
         return handle
 
+    def name_of(self, param) -> str:
+        """``param``'s name in the engine's module, for messages ("?" if it has none)."""
+        return self._names.get(id(param), "?")
+
     def begin_backward(self, taken_earlier=()) -> None:
         """``taken_earlier``: ids of params whose gradient came before this backward (in the
         engine's forward) and is reduced in it; what DeepSpeed's hooks took of those stays."""
@@ -91,11 +95,11 @@ class GradHookGuard:
 
     def check_backward(self, got_gradient) -> None:
         """``got_gradient``: the params whose .grad this backward accumulated into."""
-        unmanaged = [self._names.get(id(p), "?") for p in self._unmanaged if p.grad is not None]
+        unmanaged = [self.name_of(p) for p in self._unmanaged if p.grad is not None]
         if unmanaged:
             raise GradientsNotReducedError(_unmanaged_message(unmanaged))
         missed_params = [p for p in got_gradient if id(p) not in self._taken]
-        missed = [self._names.get(id(p), "?") for p in missed_params]
+        missed = [self.name_of(p) for p in missed_params]
         if missed and self.hooks.leaf_reduction_is_per_forward() and all(id(p) in self._leaf_ids
                                                                           for p in missed_params):
             raise GradientsNotReducedError(

@@ -396,9 +396,8 @@ class Installation:
         if (self.stage == 3 or not adapter.offload or not adapter.gradient_held_back(param)
                 or self._entered_via_outputs or self._engine_calls):
             return
-        name = next((n for n, p in self.engine.module.named_parameters() if p is param), "?")
         raise UnsupportedDeepSpeedError(
-            f"zero_lifetime: param {name} got a gradient DeepSpeed holds back (ds_grad_is_ready=False: "
+            f"zero_lifetime: param {self.grad_guard.name_of(param)} got a gradient DeepSpeed holds back (ds_grad_is_ready=False: "
             f"DeepSpeed's tiled compute, such as TiledFusedLogitsLoss) in a backward of its own, outside "
             f"the engine's forward and backward, with ZeRO-{self.stage} CPU optimizer offload. Installed, "
             f"those shard backwards would be reduced one by one and the offloaded step would apply a "
