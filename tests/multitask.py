@@ -7,7 +7,9 @@ a head gets no gradient in a step, so torch leaves it where it is: "sampled" tra
 a different subset of the tasks each step; "zero_grad_between" runs two backwards
 over one forward with zero_grad() between them, and the second loss never reaches
 head 0; "zero_grad_mid_window" (GAS 2) calls zero_grad() between the two micro-steps
-of a window, so only the second (which never reaches head 0) counts. Used by the
+of a window, so only the second (which never reaches head 0) counts. "head_per_backward"
+(GAS 1): one forward through every head, then one retained backward per head's loss, so
+heads 1 and 2 get their first gradient of the step in a later backward. Used by the
 1-rank tests and by the 2-rank worker (each rank trains on its own data shard; the
 oracle all-reduces plain torch gradients).
 """
@@ -118,6 +120,13 @@ def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp3
                 engine.zero_grad()
                 second.backward()
             engine.step()
+        elif mode == "head_per_backward":
+            outputs = engine(cast(xs[0]), tuple(range(TASKS)))
+            for task, out in enumerate(outputs):
+                retain = task + 1 < TASKS
+                engine.backward(task_loss(out), retain_graph=retain) if path == "engine" else \
+                    task_loss(out).backward(retain_graph=retain)
+            engine.step()
         elif mode == "zero_grad_mid_window":
             engine.backward(task_loss(engine(cast(xs[0]), 0)) + task_loss(engine(cast(xs[0]), 1)))
             engine.step()  # not a boundary: nothing applied
@@ -144,6 +153,10 @@ def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1,
             first.backward(retain_graph=True)
             opt.zero_grad()  # set_to_none: head 0 gets no gradient, so SGD leaves it
             second.backward()
+        elif mode == "head_per_backward":
+            outputs = model(xs[0], tuple(range(TASKS)))
+            for task, out in enumerate(outputs):
+                task_loss(out).backward(retain_graph=task + 1 < TASKS)
         elif mode == "zero_grad_mid_window":  # the first micro-step is dropped; GAS 2 halves the loss
             (task_loss(model(xs[1], 1)) / 2).backward()
         else:

@@ -10,6 +10,7 @@ import torch
 
 import multitask as mt
 import zero_lifetime
+from harness import BACKWARD_PATHS
 
 STEPS = 3
 
@@ -42,6 +43,21 @@ def test_bf16_offload_equals_no_offload_and_tracks_torch(stage):
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
     diffs = mt.max_differences(with_offload, reference)
     assert max(diffs.values()) <= mt.tolerance("bf16"), diffs
+
+
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+@pytest.mark.parametrize("stage,offload", mt.STAGES_OFFLOAD, ids=mt.STAGE_IDS)
+def test_head_first_reached_by_a_later_backward_of_the_step(stage, offload, path):
+    """GAS 1, one retained backward per head. With ZeRO-1/2 CPU offload a head first reached by
+    the second or third backward was stepped with its previous step's gradient added (the fp32
+    gradient place kept across the backwards held it)."""
+    model, reference = mt.make_models()
+    engine = mt.build_engine(model, stage, "head_per_backward", offload, "fp32")
+    zero_lifetime.install(engine)
+    mt.train_engine(engine, "head_per_backward", STEPS, path=path)
+    mt.train_reference(reference, "head_per_backward", STEPS)
+    diffs = mt.max_differences(engine, reference)
+    assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

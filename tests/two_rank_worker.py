@@ -158,7 +158,8 @@ def _build_scenarios():
     # or between two micro-steps).
     for stage in (1, 2, 3):
         for offload in (False, True):
-            for mode in ("per_task", "summed", "sampled", "zero_grad_between", "zero_grad_mid_window"):
+            for mode in ("per_task", "summed", "sampled", "zero_grad_between", "zero_grad_mid_window",
+                         "head_per_backward"):
                 sid = f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-{mode}-fp32"
                 out.append(dict(id=sid, kind="multitask", stage=stage, offload=offload, mode=mode, dtype="fp32"))
         for offload in (False, True):  # bf16: with offload must equal without it

@@ -23,9 +23,10 @@ class Zero12Accumulation:
         self._kept = None  # the earlier backwards' sum, taken out of the running backward's way
         self._epilogue_patch = self.epilogue.wrap(after=self._after_epilogue)
 
-    def begin_backward(self) -> None:
+    def begin_backward(self, reached) -> None:
+        """``reached(param)``: did ``param`` get a gradient in this window before this backward?"""
         # None also where DeepSpeed's own accumulators sum the backward (offload, GAS > 1).
-        self._kept = self.carry.take() if self.grads_pending else None  # take() refuses before any change
+        self._kept = self.carry.take(reached) if self.grads_pending else None  # take() refuses before any change
 
     def _after_epilogue(self) -> None:
         if self._kept is not None:

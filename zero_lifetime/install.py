@@ -446,12 +446,12 @@ class Installation:
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()
             self.window.begin_backward()
+            if self.accumulation is not None:  # before this backward's gradients are noted
+                self.accumulation.begin_backward(self.window.reached_in_window)
             self.grad_guard.begin_backward(taken_earlier=self._gradients_before_backward)
             for param in self._gradients_before_backward.values():
                 self.window.note_gradient(param)
             self._gradients_before_backward = {}
-            if self.accumulation is not None:
-                self.accumulation.begin_backward()
             if self._entered_via_outputs:
                 self.backward.rearm_output_hooks(managers)
             else:

@@ -54,6 +54,10 @@ class MicroStepWindow:
             if not self._first_backward:
                 self.adapter.clear_stale_accumulator(param)
 
+    def reached_in_window(self, param) -> bool:
+        """Did ``param`` get a gradient since the window began?"""
+        return id(param) in self._in_window
+
     def params_this_backward(self):
         return list(self._this_backward.values())
 

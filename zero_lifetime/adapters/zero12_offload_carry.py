@@ -43,6 +43,8 @@ class Zero12OffloadCarry:
         require(optimizer, "grad_position", "the offloaded gradients' places in the fp32 buffers")
         require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms")
         require(optimizer, "micro_step_id", "the ZeRO micro-step counter")
+        require(optimizer, "params_in_partition", "the ZeRO-1/2 params of this rank's partitions")
+        require(optimizer, "get_param_id", "the ZeRO-1/2 param ids")
         self.gradient_accumulation_steps = int(require(
             optimizer, "gradient_accumulation_steps", "the ZeRO-1/2 gradient accumulation steps"))
         self.stage = 2 if require(optimizer, "partition_gradients", "the ZeRO-1/2 stage flag") else 1
@@ -54,8 +56,10 @@ class Zero12OffloadCarry:
     def _fp32_grads(self):
         return [partition.grad for partition in self.optimizer.single_partition_of_fp32_groups]
 
-    def take(self):
-        """Before another backward of the same step: what the fp32 gradients hold."""
+    def take(self, reached):
+        """Before another backward of the same step: what the fp32 gradients hold for the
+        params ``reached(param)`` says got a gradient in this window (the others' places hold
+        a gradient of an earlier step, which the backward about to run must not add to)."""
         opt = self.optimizer
         # The backward before this one (micro_step_id moves on only when this one starts).
         lone = opt.micro_step_id <= 0 and at_boundary(opt)
@@ -81,8 +85,25 @@ class Zero12OffloadCarry:
             kept.grads.append(None if grad is None else grad.clone())
             if grad is not None:
                 grad.zero_()  # a param the next backward does not reach keeps the kept sum only
+        self._drop_unreached(kept.grads, reached)
         opt.micro_step_id = INITIAL_MICRO_STEP_ID_12
         return kept
+
+    def _drop_unreached(self, grads, reached) -> None:
+        """Zero the places of params with no gradient in this window: DeepSpeed overwrites a
+        place only when its param gets one, so they hold an earlier step's (measured: a param
+        first reached by the second backward of a step was stepped with g(t-1) + g(t))."""
+        opt = self.optimizer
+        for group, params in enumerate(opt.params_in_partition):
+            if grads[group] is None:
+                continue
+            for param in params:
+                if reached(param):
+                    continue
+                position = opt.grad_position.get(opt.get_param_id(param))
+                if position is not None:
+                    _, _, dest_offset, num_elements = position
+                    grads[group].view(-1).narrow(0, dest_offset, num_elements).zero_()
 
     def add_back(self, kept) -> None:
         """After that backward's epilogue: the sums, and their norms for clipping."""

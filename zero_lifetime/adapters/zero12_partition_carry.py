@@ -24,8 +24,9 @@ class Zero12PartitionCarry:
         self.optimizer = optimizer
         require(optimizer, "averaged_gradients", "the ZeRO-1/2 reduced gradient partitions")
 
-    def take(self):
-        """Before another backward of the same step: copies of the reduced partitions."""
+    def take(self, reached):
+        """Before another backward of the same step: copies of the reduced partitions (the
+        boundary epilogue rebuilt them, with zeros for a param not ``reached``)."""
         return {
             group: [t.detach().clone() for t in tensors]
             for group, tensors in self.optimizer.averaged_gradients.items() if tensors is not None
