@@ -3,12 +3,13 @@
 DeepSpeed's tiled compute (``deepspeed.runtime.sequence_parallel.ulysses_sp``) runs a module
 shard by shard along the sequence, each shard backwarded by a ``torch.autograd.backward`` of
 its own. Until the last shard the params carry ``ds_grad_is_ready = False``, and DeepSpeed
-leaves their summing gradient in ``.grad``, reducing it whole at the last. ``TiledMLP`` does
-that inside the user's backward; ``TiledFusedLogitsLoss`` inside its forward, so its shard
-backwards come before the user's (inside the engine's forward, or after it when the training
-loop applies the loss to the engine's output). Also a ``torch.autograd.grad`` inside the
-forward, which writes no ``.grad``. Stages 1-3, with and without CPU optimizer offload, one
-backward and two over one forward, against the same modules untiled in plain torch.
+leaves their summing gradient in ``.grad``, reducing it whole at the last. ``TiledMLP`` and
+``SequenceTiledCompute`` do that inside the user's backward; ``TiledFusedLogitsLoss`` inside
+its forward, so its shard backwards come before the user's (inside the engine's forward, or
+after it when the training loop applies the loss to the engine's output). Also a
+``torch.autograd.grad`` inside the forward, which writes no ``.grad``. Stages 1-3, with and
+without CPU optimizer offload, one backward and two over one forward, against the same modules
+untiled in plain torch.
 """
 
 import contextlib
@@ -19,8 +20,7 @@ import torch
 
 import deepspeed
 import zero_lifetime
-from harness import BACKWARD_PATHS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config, losses
-from zero_lifetime.adapters import UnsupportedDeepSpeedError
+from harness import BACKWARD_PATHS, assert_weights_match, ds_config, losses
 
 ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
 
@@ -149,7 +149,7 @@ class TiledLossModel(torch.nn.Module):
         self.loss_outside = False  # return the hidden states: the caller computes the loss
 
     def shard_loss(self, x, y):
-        return torch.nn.functional.cross_entropy(self.lm_head(x).view(-1, VOCAB), y.view(-1))
+        return torch.nn.functional.cross_entropy(self.lm_head(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def forward(self, x, labels):
         hidden = torch.tanh(self.inp(x))
@@ -161,6 +161,22 @@ class TiledLossModel(torch.nn.Module):
         else:
             loss = self.shard_loss(hidden, labels)
         return hidden.pow(2).mean(), loss
+
+
+class SequenceTiledLossModel(TiledLossModel):
+    """The same loss through DeepSpeed's generic SequenceTiledCompute, which (like TiledMLP) runs
+    the shards in the user's backward, recomputing each."""
+
+    def forward(self, x, labels):
+        if not self.tiled:
+            return super().forward(x, labels)
+        hidden = torch.tanh(self.inp(x))
+        loss = ulysses_sp.SequenceTiledCompute.apply(self.shard_loss_by_name, SEQ, SHARDS, ["x", "y"], [], "x",
+                                                     [self.lm_head.weight], 0, "mean", hidden, labels)
+        return hidden.pow(2).mean(), loss
+
+    def shard_loss_by_name(self, x, y):
+        return self.shard_loss(x, y)
 
 
 def _labels(step):
@@ -196,34 +212,94 @@ def test_tiled_fused_logits_loss_installed_matches_torch(stage, backwards, offlo
         assert_weights_match(engine, reference)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
-def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, offload):
-    """The tiled loss applied to the engine's output by the training loop, outside the engine's
-    forward: its shard backwards then come between the forward and the user's backward."""
-    engine, reference, ref_opt = _pair(TiledLossModel, stage, offload)
+def _train_loss_after_the_forward(engine, reference, ref_opt, backwards, path="engine"):
+    """Three steps, the tiled loss applied to the engine's output by the training loop: its
+    shard backwards come between the forward and the user's backward (or backwards: the first,
+    of a second loss over the same hidden states, retained)."""
     engine.module.loss_outside = True  # the torch twin computes its (untiled) loss inside
+    for step in range(3):
+        aux, hidden = engine(_batch(step), _labels(step))
+        loss = ulysses_sp.TiledFusedLogitsLoss.apply(TiledLossModel.shard_loss, engine.module, hidden, _labels(step),
+                                                     None, SHARDS, [engine.module.lm_head.weight], "mean")
+        want_aux, want_loss = reference(_batch(step), _labels(step))
+        pairs = [(aux + loss, want_aux + want_loss)] if backwards == 1 else [(aux, want_aux), (loss, want_loss)]
+        for index, (got, want) in enumerate(pairs):
+            retain = index + 1 < len(pairs)
+            if path == "engine":
+                engine.backward(got, retain_graph=retain)
+            else:
+                got.backward(retain_graph=retain)
+            want.backward(retain_graph=retain)
+        engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
+def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, backwards, path, offload):
+    """DeepSpeed holds the shards' gradients back and reduces them in the user's backward, as
+    if the loss had been computed inside the forward. Taken as backwards of their own, the
+    last shard reduced the head's gradient in a micro step before the user's: with ZeRO-1/2
+    CPU offload the head was then trained wrong from the first step (0.008 off)."""
+    engine, reference, ref_opt = _pair(TiledLossModel, stage, offload)
     with _installed(engine):
-        if not TORCH_STYLE_BACKWARD or (offload and stage != 3):
-            # 0.17.6: refused as every backward outside engine.backward(loss) is there. ZeRO-1/2
-            # offload: the shards would be reduced one by one, refused rather than wrong.
-            refusal = "only inside engine.backward" if not TORCH_STYLE_BACKWARD else "inside the model's forward"
-            aux, hidden = engine(_batch(0), _labels(0))
-            with pytest.raises(UnsupportedDeepSpeedError, match=refusal):
-                ulysses_sp.TiledFusedLogitsLoss.apply(TiledLossModel.shard_loss, engine.module, hidden, _labels(0),
-                                                      None, SHARDS, [engine.module.lm_head.weight], "mean")
-            return
+        _train_loss_after_the_forward(engine, reference, ref_opt, backwards, path)
+        assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
+def test_sequence_tiled_compute_installed_matches_torch(stage, backwards, path, offload):
+    engine, reference, ref_opt = _pair(SequenceTiledLossModel, stage, offload)
+    with _installed(engine):
         for step in range(3):
-            aux, hidden = engine(_batch(step), _labels(step))
-            loss = ulysses_sp.TiledFusedLogitsLoss.apply(TiledLossModel.shard_loss, engine.module, hidden,
-                                                         _labels(step), None, SHARDS,
-                                                         [engine.module.lm_head.weight], "mean")
-            engine.backward(aux + loss)
+            aux, loss = engine(_batch(step), _labels(step))
+            want_aux, want_loss = reference(_batch(step), _labels(step))
+            pairs = [(aux + loss, want_aux + want_loss)] if backwards == 1 else [(aux, want_aux), (loss, want_loss)]
+            for index, (got, want) in enumerate(pairs):
+                retain = index + 1 < len(pairs)
+                if path == "engine":
+                    engine.backward(got, retain_graph=retain)
+                else:
+                    got.backward(retain_graph=retain)
+                want.backward(retain_graph=retain)
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stock_sequence_tiled_compute_one_backward_matches_torch(stage):
+    """The oracle (the loss untiled) against DeepSpeed itself."""
+    engine, reference, ref_opt = _pair(SequenceTiledLossModel, stage)
+    try:
+        for step in range(3):
+            engine.backward(sum(engine(_batch(step), _labels(step))))
             sum(reference(_batch(step), _labels(step))).backward()
             engine.step()
             ref_opt.step()
             ref_opt.zero_grad()
         assert_weights_match(engine, reference)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
+def test_stock_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, offload):
+    """The oracle against DeepSpeed itself (one backward: stock ZeRO-3 cannot do two)."""
+    engine, reference, ref_opt = _pair(TiledLossModel, stage, offload)
+    try:
+        _train_loss_after_the_forward(engine, reference, ref_opt, 1)
+        assert_weights_match(engine, reference)
+    finally:
+        engine.destroy()
 
 
 class GradInForwardModel(torch.nn.Module):

@@ -77,8 +77,12 @@ class Installation:
         self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
         self._forwards_running = 0
-        # Params given a gradient by a backward inside this engine's forward, for the next backward.
+        # Params given a gradient by a backward DeepSpeed does not count as one (inside this
+        # engine's forward, or a tiled-compute shard after it), for the next backward.
         self._gradients_before_backward = {}
+        # Params whose tiled-compute shards ran outside the engine's calls and whose last
+        # shard (the one that makes their gradient ready) has not come yet.
+        self._shards_pending = set()
         self._latest_forward = _ForwardOutputs()
         # Forwards whose outputs may still be backpropagated through (pruned as their hook
         # managers die): a backward over several of them must run DeepSpeed's prologue once.
@@ -260,6 +264,7 @@ class Installation:
             self.backward.clear_reduced_grads()
             self.window.grads_cleared()
             self._gradients_before_backward = {}  # gone with the .grad they were in
+            self._shards_pending = set()
             return result
 
         return zero_grad
@@ -369,17 +374,15 @@ class Installation:
     def _make_before_accumulate(self, param):
 
         def before_accumulate(grad):
-            if self._forwards_running and not self.scope.open:
-                # A backward inside this engine's forward (DeepSpeed's TiledFusedLogitsLoss
-                # backwards each shard there). DeepSpeed's hooks take its gradients but reduce
-                # them in the user's backward that follows, as part of that one: so do we.
-                # (A torch.autograd.grad there writes no .grad: nothing to carry.)
+            if not self.scope.open and self._joins_next_backward(param):
+                # DeepSpeed's hooks take these gradients but reduce them in the user's backward
+                # that follows, as part of that one: so do we. (A torch.autograd.grad there
+                # writes no .grad: nothing to carry.)
                 if _will_accumulate(param):
                     self._gradients_before_backward[id(param)] = param
                 return None
             self.enter_from_inner_hook()
             if self._accumulating:
-                self._refuse_held_back_gradient_in_a_backward_of_its_own(param)
                 self.window.note_gradient(param)
             if self.lifetime is not None:
                 self.lifetime.before_accumulate(param)
@@ -387,22 +390,24 @@ class Installation:
 
         return before_accumulate
 
-    def _refuse_held_back_gradient_in_a_backward_of_its_own(self, param) -> None:
-        """ZeRO-1/2 with CPU optimizer offload: shard backwards of DeepSpeed's tiled compute run
-        by the training loop (a TiledFusedLogitsLoss on the engine's output) between the forward
-        and the user's backward are reduced one by one here, and the offloaded step would apply
-        a wrong gradient (tests/test_tiled_compute.py); refused rather than wrong."""
-        adapter = self.window.adapter
-        if (self.stage == 3 or not adapter.offload or not adapter.gradient_held_back(param)
-                or self._entered_via_outputs or self._engine_calls):
-            return
-        raise UnsupportedDeepSpeedError(
-            f"zero_lifetime: param {self.grad_guard.name_of(param)} got a gradient DeepSpeed holds back (ds_grad_is_ready=False: "
-            f"DeepSpeed's tiled compute, such as TiledFusedLogitsLoss) in a backward of its own, outside "
-            f"the engine's forward and backward, with ZeRO-{self.stage} CPU optimizer offload. Installed, "
-            f"those shard backwards would be reduced one by one and the offloaded step would apply a "
-            f"wrong gradient. Compute the tiled loss inside the model's forward (the engine's forward), "
-            f"or train without optimizer offload, or without zero_lifetime.")
+    def _joins_next_backward(self, param) -> bool:
+        """Is this a backward DeepSpeed does not count as one of its own? One inside this
+        engine's forward (DeepSpeed's TiledFusedLogitsLoss backwards each shard there), or a
+        shard of its tiled compute run by the training loop between the forward and the user's
+        backward (a TiledFusedLogitsLoss on the engine's output): DeepSpeed holds the shards'
+        gradients back (ds_grad_is_ready=False) and keeps its backward closed for them up to
+        the last shard, which makes them ready, and reduces them all in the user's backward."""
+        if self._forwards_running:
+            return True
+        if self._engine_calls:
+            return False
+        if self.window.adapter.gradient_held_back(param):
+            self._shards_pending.add(id(param))
+            return True
+        if id(param) in self._shards_pending:  # the last shard
+            self._shards_pending.discard(id(param))
+            return True
+        return False
 
     def enter_from_inner_hook(self) -> None:
         """Open a backward that reached us without passing the forward outputs."""
@@ -452,6 +457,7 @@ class Installation:
             for param in self._gradients_before_backward.values():
                 self.window.note_gradient(param)
             self._gradients_before_backward = {}
+            self._shards_pending = set()  # a tiled compute cut short: its shards join this one
             if self._entered_via_outputs:
                 self.backward.rearm_output_hooks(managers)
             else:
