@@ -78,26 +78,26 @@ def _installed(engine):
         engine.destroy()
 
 
-def _train(engine, reference, ref_opt, backwards, path):
-    """Three steps on the engine and on the torch reference: one backward of both losses, or
-    (backwards == 2) the first retained, then the second."""
-    for step in range(3):
-        first, second = losses(engine(_batch(step)))
-        want_first, want_second = losses(reference(_batch(step)))
-        if backwards == 1:
-            pairs = [(first + second, want_first + want_second)]
+def _step_both(engine, ref_opt, got, want, backwards, path="engine"):
+    """One step on the engine and on the torch reference from their two losses: one backward
+    of their sum, or (backwards == 2) the first retained, then the second."""
+    pairs = [(got[0] + got[1], want[0] + want[1])] if backwards == 1 else list(zip(got, want))
+    for index, (loss, want_loss) in enumerate(pairs):
+        retain = index + 1 < len(pairs)
+        if path == "engine":
+            engine.backward(loss, retain_graph=retain)
         else:
-            pairs = [(first, want_first), (second, want_second)]
-        for index, (loss, want) in enumerate(pairs):
-            retain = index + 1 < len(pairs)
-            if path == "engine":
-                engine.backward(loss, retain_graph=retain)
-            else:
-                loss.backward(retain_graph=retain)
-            want.backward(retain_graph=retain)
-        engine.step()
-        ref_opt.step()
-        ref_opt.zero_grad()
+            loss.backward(retain_graph=retain)
+        want_loss.backward(retain_graph=retain)
+    engine.step()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+def _train(engine, reference, ref_opt, backwards, path):
+    """Three steps of the model's two losses on the engine and on the torch reference."""
+    for step in range(3):
+        _step_both(engine, ref_opt, losses(engine(_batch(step))), losses(reference(_batch(step))), backwards, path)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -183,6 +183,13 @@ def _labels(step):
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1000 + step))
 
 
+def _train_with_labels(engine, reference, ref_opt, backwards, path="engine"):
+    """Three steps of a loss model's two losses (computed inside its forward)."""
+    for step in range(3):
+        _step_both(engine, ref_opt, engine(_batch(step), _labels(step)), reference(_batch(step), _labels(step)),
+                   backwards, path)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("backwards", [1, 2])
 @pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
@@ -195,20 +202,7 @@ def test_tiled_fused_logits_loss_installed_matches_torch(stage, backwards, offlo
     head's previous gradient applied again)."""
     engine, reference, ref_opt = _pair(TiledLossModel, stage, offload)
     with _installed(engine):
-        for step in range(3):
-            aux, loss = engine(_batch(step), _labels(step))
-            want_aux, want_loss = reference(_batch(step), _labels(step))
-            if backwards == 1:
-                engine.backward(aux + loss)
-                (want_aux + want_loss).backward()
-            else:
-                engine.backward(aux, retain_graph=True)
-                engine.backward(loss)
-                want_aux.backward(retain_graph=True)
-                want_loss.backward()
-            engine.step()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        _train_with_labels(engine, reference, ref_opt, backwards)
         assert_weights_match(engine, reference)
 
 
@@ -221,18 +215,7 @@ def _train_loss_after_the_forward(engine, reference, ref_opt, backwards, path="e
         aux, hidden = engine(_batch(step), _labels(step))
         loss = ulysses_sp.TiledFusedLogitsLoss.apply(TiledLossModel.shard_loss, engine.module, hidden, _labels(step),
                                                      None, SHARDS, [engine.module.lm_head.weight], "mean")
-        want_aux, want_loss = reference(_batch(step), _labels(step))
-        pairs = [(aux + loss, want_aux + want_loss)] if backwards == 1 else [(aux, want_aux), (loss, want_loss)]
-        for index, (got, want) in enumerate(pairs):
-            retain = index + 1 < len(pairs)
-            if path == "engine":
-                engine.backward(got, retain_graph=retain)
-            else:
-                got.backward(retain_graph=retain)
-            want.backward(retain_graph=retain)
-        engine.step()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, ref_opt, (aux, loss), reference(_batch(step), _labels(step)), backwards, path)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -257,20 +240,7 @@ def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, backward
 def test_sequence_tiled_compute_installed_matches_torch(stage, backwards, path, offload):
     engine, reference, ref_opt = _pair(SequenceTiledLossModel, stage, offload)
     with _installed(engine):
-        for step in range(3):
-            aux, loss = engine(_batch(step), _labels(step))
-            want_aux, want_loss = reference(_batch(step), _labels(step))
-            pairs = [(aux + loss, want_aux + want_loss)] if backwards == 1 else [(aux, want_aux), (loss, want_loss)]
-            for index, (got, want) in enumerate(pairs):
-                retain = index + 1 < len(pairs)
-                if path == "engine":
-                    engine.backward(got, retain_graph=retain)
-                else:
-                    got.backward(retain_graph=retain)
-                want.backward(retain_graph=retain)
-            engine.step()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        _train_with_labels(engine, reference, ref_opt, backwards, path)
         assert_weights_match(engine, reference)
 
 
@@ -279,12 +249,7 @@ def test_stock_sequence_tiled_compute_one_backward_matches_torch(stage):
     """The oracle (the loss untiled) against DeepSpeed itself."""
     engine, reference, ref_opt = _pair(SequenceTiledLossModel, stage)
     try:
-        for step in range(3):
-            engine.backward(sum(engine(_batch(step), _labels(step))))
-            sum(reference(_batch(step), _labels(step))).backward()
-            engine.step()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        _train_with_labels(engine, reference, ref_opt, 1)
         assert_weights_match(engine, reference)
     finally:
         engine.destroy()
