@@ -76,11 +76,12 @@ class Program:
     length: int
     # ZeRO-3 windows: "eager" (no reuse distance, no prefetch) or DeepSpeed's "default" ones.
     windows: str = "eager"
+    offload: bool = False  # CPU optimizer offload
     log: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
         head = (f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed} "
-                f"windows={self.windows}")
+                f"windows={self.windows} offload={self.offload}")
         return head + "\n  " + "\n  ".join(self.log[-40:])
 
 
@@ -94,6 +95,8 @@ class ProgramRunner:
         # soon: the trace and its release decisions then decide, and only they are checked.
         eager = program.stage == 3 and program.windows == "eager"
         zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0) if eager else {}
+        if program.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
         self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
                                                               seed=program.seed, **zero)
         zero_lifetime.install(self.engine, policy=program.policy)
@@ -287,8 +290,8 @@ class ProgramRunner:
 
 
 def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int,
-                windows: str = "eager") -> ProgramRunner:
-    program = Program(model_name, stage, policy, seed, length, windows)
+                windows: str = "eager", offload: bool = False) -> ProgramRunner:
+    program = Program(model_name, stage, policy, seed, length, windows, offload=offload)
     try:
         return ProgramRunner(program).run()
     except Exception as error:

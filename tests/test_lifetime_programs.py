@@ -42,6 +42,16 @@ def test_random_program_with_deepspeeds_default_windows(policy, model_name, seed
     assert runner.forwards > 0 and runner.operations == LENGTH
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@EVERY_STAGE_AND_POLICY
+def test_random_program_with_cpu_optimizer_offload(stage, policy, model_name, seed):
+    """The same programs with CPU optimizer offload: the gradients step() reads live in the fp32
+    partitions on the CPU, which DeepSpeed fills its own way (copy or accumulate by micro step)."""
+    runner = run_program(model_name, stage, policy, seed, LENGTH, offload=True)
+    assert runner.forwards > 0 and runner.operations == LENGTH
+
+
 # Programs that found bugs, kept whatever ZL_LIFETIME_PROGRAMS is: stage 3, seed 23 lost a
 # completed backward's gradients when the cleanup after a dead torch.autograd.grad (a graph
 # saved before a step()) dropped them as for a dead training backward.

@@ -47,7 +47,14 @@ def _check_engine(engine):
 
 class StepWithoutBackwardError(TypeError):
     """step() with no backward since the previous step() (or since install), where DeepSpeed
-    fails on the missing gradients. A TypeError, as DeepSpeed's own failure there mostly is."""
+    fails on the missing gradients, or (optimizer offload) would step on zeroed ones. A
+    TypeError, as DeepSpeed's own failure there mostly is."""
+
+
+_STEP_WITHOUT_BACKWARD = (
+    "zero_lifetime: step() with no backward since the previous step() (or since install): "
+    "DeepSpeed has no gradients to step with (torch would leave the weights as they are). "
+    "Skip step() for a batch whose backward you skip.")
 
 
 class Installation:
@@ -146,6 +153,9 @@ class Installation:
                                                 else None)
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
+        # With optimizer offload DeepSpeed's step() never fails on missing gradients, so a step
+        # with none is refused before it runs; a backward may have run before install.
+        self._backward_since_step = self.window.adapter.offloaded_gradients_pending()
         self.reporter = StatsReporter(engine, self.stats)
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
@@ -278,6 +288,11 @@ class Installation:
         def step(*args, **kwargs):
             self.recover_if_backward_died()
             boundary = self.engine.is_gradient_accumulation_boundary()
+            if boundary and self.window.adapter.offload and not self._backward_since_step:
+                # DeepSpeed would step on the fp32 gradients as they are (zeroed: torch's moments
+                # would still move the weights) and rewrite every weight, failing every live
+                # graph, where torch does nothing: refused as without offload, where it fails.
+                raise StepWithoutBackwardError(_STEP_WITHOUT_BACKWARD)
             if boundary:
                 self.window.before_step()
             try:
@@ -287,10 +302,7 @@ class Installation:
                 # are None), KeyError before the first backward (they were never made).
                 if self._backward_since_step:
                     raise
-                raise StepWithoutBackwardError(
-                    "zero_lifetime: step() with no backward since the previous step() (or since install): "
-                    "DeepSpeed has no gradients to step with (torch would leave the weights as they are). "
-                    "Skip step() for a batch whose backward you skip.") from error
+                raise StepWithoutBackwardError(_STEP_WITHOUT_BACKWARD) from error
             self._backward_since_step = False
             self._stepped_by_accelerate_backward = step_called_by_accelerate_backward()
             if boundary and self.engine.gradient_accumulation_steps() > 1 and boundary_set_by_hand(self.engine):

@@ -94,6 +94,11 @@ class GradWindowAdapter:
         # stage 3 advances it from 0 at the next forward after a backward.
         return self.optimizer.micro_step_id == (0 if self.stage == 3 else -1)
 
+    def offloaded_gradients_pending(self) -> bool:
+        """Optimizer offload: did a backward since the last step() reach the fp32 gradients?
+        (DeepSpeed records each offloaded gradient's norm there; step() resets the record.)"""
+        return self.offload and bool(self.optimizer.norm_for_param_grads)
+
     @staticmethod
     def gradient_held_back(param) -> bool:
         """Will DeepSpeed leave this gradient in ``param.grad`` for a later backward to reduce?"""
