@@ -368,6 +368,29 @@ def test_step_without_backward_fails_clearly_and_training_goes_on(stage, offload
     assert_weights_match(engine, reference)
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_install_between_a_backward_and_its_step(stage, offload):
+    """Where install's micro-step window would clear that backward's gradients at the step as
+    stale (ZeRO-3, and ZeRO-1/2 with offload), install refuses and patches nothing, and the
+    step applies them as stock does; elsewhere install keeps them."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, **(OFFLOAD if offload else {}))
+    engine.backward(losses(engine(make_input("mlp_norm", 0)))[0])
+    losses(reference(make_input("mlp_norm", 0)))[0].backward()
+    if stage == 3 or offload:
+        with pytest.raises(RuntimeError, match="a backward ran since the last step"):
+            zero_lifetime.install(engine)
+    else:
+        zero_lifetime.install(engine)
+    engine.step()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    zero_lifetime.install(engine)  # the same handle where it installed before
+    _plain_step(engine, reference, ref_opt, seed=1)  # right after a step(): installs, and trains like torch
+    assert_weights_match(engine, reference)
+
+
 def _trained_then_destroyed(stage: int, installed: bool, policy: str):
     """A ZeRO engine after three training steps and destroy(): weak references to its model
     and (installed) to the installation, with the engine itself dropped. Installed, the steps

@@ -13,6 +13,7 @@ from .adapters.engine_boundary import boundary_set_by_hand
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .adapters.patching import Patches
+from .adapters.grad_window import gradients_left_for_step
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
 from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hint_if_stale_graph,
@@ -28,6 +29,11 @@ _ATTR = "_zero_lifetime_installation"
 _DESTROYED = "_zero_lifetime_destroyed"  # set by an installed engine's destroy()
 _install_lock = threading.Lock()
 
+BACKWARD_BEFORE_INSTALL_MESSAGE = (
+    "zero_lifetime.install: a backward ran since the last step() and its gradients wait for the next; "
+    "installed now, they would be cleared at that step as stale (ZeRO-3, and ZeRO-1/2 with optimizer "
+    "offload, keep earlier steps' gradients in the same stores). Call install() before the first "
+    "backward, or right after a step().")
 DESTROYED_MESSAGE = ("zero_lifetime.install: this engine was destroyed (engine.destroy()) and cannot train any "
                      "more; build a new one with deepspeed.initialize")
 SEMANTICS_NOTE = ("zero_lifetime: gradients now follow torch semantics: two backwards with zero_grad() "
@@ -78,6 +84,8 @@ class Installation:
         boundary_set_by_hand(engine)  # probed: read after every step()
         if GradHooks(engine.optimizer, self.stage).removed_by_destroy():  # stock destroy(), before install
             raise RuntimeError(DESTROYED_MESSAGE)
+        if gradients_left_for_step(engine.optimizer, self.stage):
+            raise RuntimeError(BACKWARD_BEFORE_INSTALL_MESSAGE)
         self.backward = None
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
         self._engine_calls = 0  # engine forward/backward calls running (nested ones counted)
@@ -153,9 +161,6 @@ class Installation:
                                                 else None)
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
-        # With optimizer offload DeepSpeed's step() never fails on missing gradients, so a step
-        # with none is refused before it runs; a backward may have run before install.
-        self._backward_since_step = self.window.adapter.offloaded_gradients_pending()
         self.reporter = StatsReporter(engine, self.stats)
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))

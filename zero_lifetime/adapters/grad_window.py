@@ -37,6 +37,20 @@ def bucket_setup_method(optimizer) -> str:
     return "setup_buckets" if hasattr(optimizer, "setup_buckets") else "backward_prologue"
 
 
+def gradients_left_for_step(optimizer, stage: int) -> bool:
+    """Did a backward leave gradients for a step() still to come, in stores that install's
+    micro-step window clears as stale at the first step (ZeRO-3, and ZeRO-1/2 with offload)?"""
+    offload = require(optimizer, "offload_optimizer" if stage == 3 else "cpu_offload", "the optimizer offload flag")
+    if offload:
+        # Recorded as each offloaded gradient is copied out; step() resets the record.
+        return bool(require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms"))
+    if stage == 3:
+        # Filled by every backward's epilogue; step() sets each group's to None.
+        averaged = require(optimizer, "averaged_gradients", "the ZeRO-3 reduced gradients")
+        return any(group is not None for group in averaged.values())
+    return False  # ZeRO-1/2 rebuild their reduced partitions at each boundary: nothing is cleared
+
+
 def at_boundary(optimizer) -> bool:
     """Is the current micro-step the window's last? (ZeRO-1/2 and 3)"""
     # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
@@ -93,11 +107,6 @@ class GradWindowAdapter:
         # Stage 1/2 advance micro_step_id from -1 at the first hook of each backward;
         # stage 3 advances it from 0 at the next forward after a backward.
         return self.optimizer.micro_step_id == (0 if self.stage == 3 else -1)
-
-    def offloaded_gradients_pending(self) -> bool:
-        """Optimizer offload: did a backward since the last step() reach the fp32 gradients?
-        (DeepSpeed records each offloaded gradient's norm there; step() resets the record.)"""
-        return self.offload and bool(self.optimizer.norm_for_param_grads)
 
     @staticmethod
     def gradient_held_back(param) -> bool:
