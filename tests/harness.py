@@ -99,8 +99,24 @@ def make_backward_die_at(module):
     return module.register_forward_hook(lambda _module, _args, out: FailingBackward.apply(out))
 
 
+class SplitHeads(torch.nn.Module):
+    """A trunk and two heads, the output a tuple of the heads': with ``losses`` each loss
+    reaches the trunk and one head, so a head can get its first gradient in a later backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(IN, HIDDEN)
+        self.head_a = torch.nn.Linear(HIDDEN, OUT)
+        self.head_b = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.trunk(x))
+        return self.head_a(hidden), self.head_b(hidden)
+
+
 MODELS = {
     "mlp_norm": MLPNorm,
+    "split_heads": SplitHeads,
     "raw_alias": RawAlias,
     "tied_lm": TiedLM,
     "ckpt_reentrant": lambda: Checkpointed(True),
@@ -116,8 +132,10 @@ def make_input(model_name: str, seed: int, batch: int = 4):
 
 
 def losses(out):
-    """Two different losses over one output: the multi-loss pattern."""
-    return out.pow(2).mean(), (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+    """Two different losses over one output: the multi-loss pattern. Over a pair of outputs
+    (SplitHeads), one loss over each."""
+    first, second = out if isinstance(out, tuple) else (out, out)
+    return first.pow(2).mean(), (second * torch.linspace(-1, 1, second.shape[-1])).sum()
 
 
 def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, gas: int = 1, **zero):
