@@ -14,13 +14,14 @@ untiled in plain torch.
 
 import contextlib
 import copy
+import gc
 
 import pytest
 import torch
 
 import deepspeed
 import zero_lifetime
-from harness import BACKWARD_PATHS, assert_weights_match, ds_config, losses
+from harness import BACKWARD_PATHS, assert_weights_match, ds_config, losses, released_state
 
 ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
 
@@ -69,8 +70,8 @@ def _pair(model_class, stage, offload=False):
 
 
 @contextlib.contextmanager
-def _installed(engine):
-    zero_lifetime.install(engine)
+def _installed(engine, policy=None):
+    zero_lifetime.install(engine, policy=policy)
     try:
         yield
     finally:
@@ -231,6 +232,20 @@ def test_tiled_fused_logits_loss_after_the_forward_matches_torch(stage, backward
     with _installed(engine):
         _train_loss_after_the_forward(engine, reference, ref_opt, backwards, path)
         assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_tiled_loss_after_the_forward_leaves_nothing_gathered_on_zero3(policy):
+    """The shards gather the head outside the engine's forward and backward; as they join the
+    user's backward, whatever they gathered or pinned must be let go as after any backward."""
+    engine, reference, ref_opt = _pair(TiledLossModel, 3)
+    with _installed(engine, policy):
+        _train_loss_after_the_forward(engine, reference, ref_opt, 2)
+        assert_weights_match(engine, reference)
+        gc.collect()
+        assert released_state(engine) == ([], [])
+        stats = zero_lifetime.stats(engine)
+        assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
