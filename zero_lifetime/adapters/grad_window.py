@@ -38,17 +38,14 @@ def bucket_setup_method(optimizer) -> str:
 
 
 def gradients_left_for_step(optimizer, stage: int) -> bool:
-    """Did a backward leave gradients for a step() still to come, in stores that install's
-    micro-step window clears as stale at the first step (ZeRO-3, and ZeRO-1/2 with offload)?"""
-    offload = require(optimizer, "offload_optimizer" if stage == 3 else "cpu_offload", "the optimizer offload flag")
-    if offload:
-        # Recorded as each offloaded gradient is copied out; step() resets the record.
-        return bool(require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms"))
-    if stage == 3:
-        # Filled by every backward's epilogue; step() sets each group's to None.
-        averaged = require(optimizer, "averaged_gradients", "the ZeRO-3 reduced gradients")
-        return any(group is not None for group in averaged.values())
-    return False  # ZeRO-1/2 rebuild their reduced partitions at each boundary: nothing is cleared
+    """Optimizer offload: did a backward leave gradients for a step() still to come, in stores
+    that install's micro-step window clears as stale at the first step?"""
+    if not require(optimizer, "offload_optimizer" if stage == 3 else "cpu_offload", "the optimizer offload flag"):
+        # ZeRO-3 without offload has no such record: its reduced gradients are also set by the
+        # epilogue stock runs for a torch.autograd.grad (README, Known limitations).
+        return False
+    # Recorded as each offloaded gradient is copied out; step() resets the record.
+    return bool(require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms"))
 
 
 def at_boundary(optimizer) -> bool:
