@@ -20,6 +20,7 @@ import torch
 
 import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
+from harness import backward_both, backward_by
 
 TASKS = 3
 LR = 0.1
@@ -110,22 +111,12 @@ def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp3
                 engine.backward(task_loss(engine(cast(xs[task]), task)))
                 engine.step()
         elif mode == "zero_grad_between":
-            first, second = zero_grad_between_losses(engine(cast(xs[0]), (0, 1)))
-            if path == "engine":
-                engine.backward(first, retain_graph=True)
-                engine.zero_grad()
-                engine.backward(second)
-            else:
-                first.backward(retain_graph=True)
-                engine.zero_grad()
-                second.backward()
+            backward_both(engine, *zero_grad_between_losses(engine(cast(xs[0]), (0, 1))), path, zero_grad=True)
             engine.step()
         elif mode == "head_per_backward":
             outputs = engine(cast(xs[0]), tuple(range(TASKS)))
             for task, out in enumerate(outputs):
-                retain = task + 1 < TASKS
-                engine.backward(task_loss(out), retain_graph=retain) if path == "engine" else \
-                    task_loss(out).backward(retain_graph=retain)
+                backward_by(engine, task_loss(out), path, retain_graph=task + 1 < TASKS)
             engine.step()
         elif mode == "zero_grad_mid_window":
             engine.backward(task_loss(engine(cast(xs[0]), 0)) + task_loss(engine(cast(xs[0]), 1)))
@@ -136,7 +127,7 @@ def train_engine(engine, mode: str, steps: int, rank: int = 0, dtype: str = "fp3
         else:
             tasks = sampled_tasks(step) if mode == "sampled" else range(TASKS)
             loss = sum(task_loss(engine(cast(xs[t]), t)) for t in tasks)  # one forward per task
-            engine.backward(loss) if path == "engine" else loss.backward()
+            backward_by(engine, loss, path)
             engine.step()
 
 

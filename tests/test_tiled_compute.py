@@ -21,7 +21,8 @@ import torch
 
 import deepspeed
 import zero_lifetime
-from harness import BACKWARD_PATHS, assert_weights_match, ds_config, losses, released_state
+from harness import (BACKWARD_PATHS, assert_weights_match, backward_both, backward_by, ds_config, losses,
+                     reference_step_both, released_state)
 
 ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
 
@@ -82,17 +83,15 @@ def _installed(engine, policy=None):
 def _step_both(engine, ref_opt, got, want, backwards, path="engine"):
     """One step on the engine and on the torch reference from their two losses: one backward
     of their sum, or (backwards == 2) the first retained, then the second."""
-    pairs = [(got[0] + got[1], want[0] + want[1])] if backwards == 1 else list(zip(got, want))
-    for index, (loss, want_loss) in enumerate(pairs):
-        retain = index + 1 < len(pairs)
-        if path == "engine":
-            engine.backward(loss, retain_graph=retain)
-        else:
-            loss.backward(retain_graph=retain)
-        want_loss.backward(retain_graph=retain)
+    if backwards == 1:
+        backward_by(engine, got[0] + got[1], path)
+        (want[0] + want[1]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    else:
+        backward_both(engine, *got, path, zero_grad=False)
+        reference_step_both(ref_opt, *want, zero_grad=False)
     engine.step()
-    ref_opt.step()
-    ref_opt.zero_grad()
 
 
 def _train(engine, reference, ref_opt, backwards, path):
