@@ -278,8 +278,7 @@ class Installation:
             # optimizer holds must go too, or a following backward would add to them.
             self.backward.clear_reduced_grads()
             self.window.grads_cleared()
-            self._gradients_before_backward = {}  # gone with the .grad they were in
-            self._shards_pending = set()
+            self._forget_carried_gradients()  # gone with the .grad they were in
             return result
 
         return zero_grad
@@ -426,6 +425,11 @@ class Installation:
             return True
         return False
 
+    def _forget_carried_gradients(self) -> None:
+        """What backwards that joined the next one left for it: taken by it, or dropped."""
+        self._gradients_before_backward = {}
+        self._shards_pending = set()
+
     def enter_from_inner_hook(self) -> None:
         """Open a backward that reached us without passing the forward outputs."""
         if not self.scope.open:
@@ -473,8 +477,7 @@ class Installation:
             self.grad_guard.begin_backward(taken_earlier=self._gradients_before_backward)
             for param in self._gradients_before_backward.values():
                 self.window.note_gradient(param)
-            self._gradients_before_backward = {}
-            self._shards_pending = set()  # a tiled compute cut short: its shards join this one
+            self._forget_carried_gradients()  # a tiled compute cut short: its shards join this one
             if self._entered_via_outputs:
                 self.backward.rearm_output_hooks(managers)
             else:
