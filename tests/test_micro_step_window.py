@@ -15,12 +15,12 @@ from harness import BACKWARD_PATHS
 STEPS = 3
 
 
-def _train(stage, mode, offload, dtype, install=True):
+def _train(stage, mode, offload, dtype, install=True, path="engine"):
     model, reference = mt.make_models()
     engine = mt.build_engine(model, stage, mode, offload, dtype)
     if install:
         zero_lifetime.install(engine)
-    mt.train_engine(engine, mode, STEPS, dtype=dtype)
+    mt.train_engine(engine, mode, STEPS, dtype=dtype, path=path)
     mt.train_reference(reference, mode, STEPS)
     return engine, reference
 
@@ -51,11 +51,7 @@ def test_head_first_reached_by_a_later_backward_of_the_step(stage, offload, path
     """GAS 1, one retained backward per head. With ZeRO-1/2 CPU offload a head first reached by
     the second or third backward was stepped with its previous step's gradient added (the fp32
     gradient place kept across the backwards held it)."""
-    model, reference = mt.make_models()
-    engine = mt.build_engine(model, stage, "head_per_backward", offload, "fp32")
-    zero_lifetime.install(engine)
-    mt.train_engine(engine, "head_per_backward", STEPS, path=path)
-    mt.train_reference(reference, "head_per_backward", STEPS)
+    engine, reference = _train(stage, "head_per_backward", offload, "fp32", path=path)
     diffs = mt.max_differences(engine, reference)
     assert max(diffs.values()) <= mt.tolerance("fp32"), diffs
 
