@@ -81,11 +81,14 @@ class Program:
     # ZeRO-3 windows: "eager" (no reuse distance, no prefetch) or DeepSpeed's "default" ones.
     windows: str = "eager"
     offload: bool = False  # CPU optimizer offload
+    # False: ZeRO-1 with contiguous_gradients and overlap_comm off, where DeepSpeed makes no
+    # gradient hooks and reduces .grad in the boundary backward's epilogue.
+    gradient_hooks: bool = True
     log: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
         head = (f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed} "
-                f"windows={self.windows} offload={self.offload}")
+                f"windows={self.windows} offload={self.offload} gradient_hooks={self.gradient_hooks}")
         return head + "\n  " + "\n  ".join(self.log[-40:])
 
 
@@ -101,6 +104,8 @@ class ProgramRunner:
         zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0) if eager else {}
         if program.offload:
             zero["offload_optimizer"] = {"device": "cpu"}
+        if not program.gradient_hooks:
+            zero.update(contiguous_gradients=False, overlap_comm=False)
         self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
                                                               seed=program.seed, **zero)
         zero_lifetime.install(self.engine, policy=program.policy)
@@ -305,8 +310,9 @@ class ProgramRunner:
 
 
 def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int,
-                windows: str = "eager", offload: bool = False) -> ProgramRunner:
-    program = Program(model_name, stage, policy, seed, length, windows, offload=offload)
+                windows: str = "eager", offload: bool = False, gradient_hooks: bool = True) -> ProgramRunner:
+    program = Program(model_name, stage, policy, seed, length, windows, offload=offload,
+                      gradient_hooks=gradient_hooks)
     try:
         return ProgramRunner(program).run()
     except Exception as error:

@@ -7,7 +7,7 @@ import torch
 import deepspeed.utils.torch as ds_torch_utils
 import multitask as mt
 import zero_lifetime
-from harness import DS_VERSION
+from harness import BACKWARD_PATHS, DS_VERSION, assert_weights_match, make_pair, train_step
 from zero_lifetime import grad_hook_guard
 from zero_lifetime.grad_hook_guard import GradientsNotReducedError
 
@@ -64,6 +64,18 @@ def test_legacy_path_trains_like_torch_with_install(legacy_hook_path, monkeypatc
     mt.train_reference(reference, "per_task", STEPS)
     diffs = mt.max_differences(engine, reference)
     assert max(diffs.values()) <= 1e-5, diffs
+
+
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+def test_legacy_path_leaves_stage1_without_hooks_as_it_is(legacy_hook_path, path):
+    """ZeRO-1 with contiguous_gradients and overlap_comm off makes no hooks on any torch: it
+    reduces .grad at the boundary. None are made for it there either."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 1, contiguous_gradients=False, overlap_comm=False)
+    installation = zero_lifetime.install(engine)
+    assert not installation.grad_guard.recreated_hooks and not engine.optimizer._grad_acc_hooks
+    for step in range(STEPS):
+        train_step(engine, reference, ref_opt, "mlp_norm", step, 2, path, zero_grad=False)
+    assert_weights_match(engine, reference)
 
 
 def test_hooks_not_recreated_on_current_path():

@@ -52,6 +52,16 @@ def test_random_program_with_cpu_optimizer_offload(stage, policy, model_name, se
     assert runner.forwards > 0 and runner.operations == LENGTH
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_random_program_on_stage1_without_gradient_hooks(model_name, seed):
+    """ZeRO-1 with contiguous_gradients and overlap_comm off: no DeepSpeed hook takes any
+    gradient, .grad accumulates until a boundary backward's epilogue reduces it."""
+    runner = run_program(model_name, 1, None, seed, LENGTH, gradient_hooks=False)
+    assert runner.forwards > 0 and runner.operations == LENGTH
+    assert runner.engine.optimizer._grad_acc_hooks == []
+
+
 # Programs that found bugs, kept whatever ZL_LIFETIME_PROGRAMS is: stage 3, seed 23 lost a
 # completed backward's gradients when the cleanup after a dead torch.autograd.grad (a graph
 # saved before a step()) dropped them as for a dead training backward.

@@ -255,12 +255,18 @@ def test_stock_stage3_autograd_grad_and_backward_fail_without_install(wrt):
         grad_and_backward(engine, engine.backward, engine.module.l1.weight, x, wrt)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_stock_stage12_two_backwards(stage):
+# ZeRO-1 with contiguous_gradients and overlap_comm off: DeepSpeed makes no gradient hooks
+# and its boundary backward's epilogue reduces every param's .grad itself.
+STAGE1_WITHOUT_HOOKS = {"contiguous_gradients": False, "overlap_comm": False}
+STOCK12_CASES = [(1, {}), (2, {}), (1, STAGE1_WITHOUT_HOOKS)]
+
+
+@pytest.mark.parametrize("stage,zero", STOCK12_CASES, ids=["stage1", "stage2", "stage1-without_hooks"])
+def test_stock_stage12_two_backwards(stage, zero):
     """Negative control, per release: stock 0.17.6 crashes in the second backward's epilogue
-    (it adds to a running sum the first one freed); stock 0.19.8 keeps only the last
-    backward's gradients where torch sums them."""
-    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    (it adds to a running sum the first one freed); stock 0.19.8 and 0.18.9 keep only the last
+    backward's gradients where torch sums them. The same without gradient hooks."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, **zero)
     x = make_input("mlp_norm", 0)
     if DS_VERSION == "0.17.6":
         with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
@@ -271,6 +277,44 @@ def test_stock_stage12_two_backwards(stage):
     reference_two_backwards(reference, ref_opt, x, zero_grad=False)
     with pytest.raises(AssertionError, match="not close"):
         assert_weights_match(engine, reference)
+
+
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no_zero_grad"])
+def test_stage1_without_gradient_hooks_matches_torch(path, zero_grad):
+    """No hook takes a gradient there, and none is missed (the guard raised
+    GradientsNotReducedError in the first backward before): steps of two backwards and of
+    one match torch."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 1, **STAGE1_WITHOUT_HOOKS)
+    installation = zero_lifetime.install(engine)
+    assert installation.grad_guard.reduces_grads_at_boundary and not engine.optimizer._grad_acc_hooks
+    _run_steps(engine, reference, ref_opt, "mlp_norm", [2, 1, 2], path, zero_grad)
+    assert_weights_match(engine, reference)
+    assert installation.stats()["bucket_fills"] == 0  # nothing went through a bucket
+
+
+@pytest.mark.parametrize("retained", ["first", "last"])
+def test_stage1_without_gradient_hooks_accumulates_like_torch(retained):
+    """GAS 2: .grad sums the micro-steps until the boundary reduces it, a retained two-loss
+    backward in either micro-step included."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 1, gas=2, **STAGE1_WITHOUT_HOOKS)
+    zero_lifetime.install(engine)
+    for step in range(2):
+        for micro in range(2):
+            x = make_input("mlp_norm", 10 * step + micro)
+            l1, l2 = losses(engine(x))
+            r1, r2 = losses(reference(x))
+            if micro == (0 if retained == "first" else 1):
+                engine.backward(l1, retain_graph=True)
+                engine.backward(l2)
+                ((r1 + r2) / 2).backward()
+            else:
+                engine.backward(l1)
+                (r1 / 2).backward()
+            engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
 
 
 def test_stock_zero2_accumulation():

@@ -65,6 +65,15 @@ def _build_scenarios():
         for path in ("engine", "manual"):
             for zero_grad in (True, False):
                 out.append(_scenario(f"two-stage{stage}-{path}-{zg_ids[zero_grad]}", "steps", stage, path, zero_grad))
+    # ZeRO-1 with contiguous_gradients and overlap_comm off: DeepSpeed makes no gradient hooks
+    # and reduces .grad in the boundary backward's epilogue (GAS 1 and 2).
+    without_hooks = {"contiguous_gradients": False, "overlap_comm": False}
+    for path in ("engine", "manual"):
+        for zero_grad in (True, False):
+            out.append(_scenario(f"two-stage1-without_hooks-{path}-{zg_ids[zero_grad]}", "steps", 1, path, zero_grad,
+                                 zero=without_hooks))
+    out.append(_scenario("two-stage1-without_hooks-engine-gas2", "steps", 1, schedule=[2, 2, 1, 2, 2, 1], gas=2,
+                         zero=without_hooks))
     # ZeRO-1/2 with CPU optimizer offload: the fp32 gradients carried across backwards, alone
     # (GAS 1) and beside DeepSpeed's micro-step accumulators (GAS 2); no offload as a control.
     for stage in (1, 2):
@@ -242,6 +251,10 @@ def _build_scenarios():
         # (test_zero3_leaf_modules checks that on 1 rank).
         out = [sc for sc in out if not sc.get("leaf")]
     if deepspeed_release() != "0.19.8":
+        # 0.17.6 and 0.18.9 never all-reduce ZeRO-1's .grad on the CPU accelerator (their
+        # split_half_float_double looks for "torch.cpu.FloatTensor", which no tensor is; 0.19.8
+        # compares dtypes): without hooks each rank steps on its own gradients, stock too.
+        out = [sc for sc in out if "without_hooks" not in sc["id"]]
         # 0.17.6 and 0.18.9 refuse a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
         out = [sc for sc in out if not (sc["id"].startswith("carry-stage2-offload") and sc.get("gas", 1) > 1)]
     return out if _torch_style_backward() else _engine_paths_only(out)

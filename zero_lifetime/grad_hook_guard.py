@@ -10,7 +10,8 @@
   the params the module had at install).
 * At the end of every backward: a param that got a gradient which no DeepSpeed hook
   took is an error that names it, instead of an IndexError or a step that changes
-  nothing.
+  nothing. Not where DeepSpeed made no hooks at all (ZeRO-1 without contiguous_gradients
+  or overlap_comm): it reduces .grad itself at the boundary, so there is nothing to miss.
 * ZeRO-3 leaf modules: DeepSpeed's hook that reduces a leaf module's gradients also fires
   in a ``torch.autograd.grad`` through the module, and there zero-fills and reduces
   gradients no pass computed (into the bucket the next backward then finds them in twice).
@@ -61,7 +62,10 @@ class GradHookGuard:
             raise ValueError(_unmanaged_message(unmanaged))
         if any(module is engine.module for module in self.hooks.leaf_modules()):
             raise ValueError(_ROOT_LEAF_MESSAGE)
-        self.recreated_hooks = deepspeed_hooks_are_dead()
+        self.reduces_grads_at_boundary = self.hooks.reduces_grads_at_boundary()
+        # None were made to recreate: making some would move the reduction into the backward,
+        # a path DeepSpeed never takes with this config.
+        self.recreated_hooks = deepspeed_hooks_are_dead() and not self.reduces_grads_at_boundary
         if self.recreated_hooks:
             self.hooks.recreate(self._register_kept_alive)
         self._taken = set()  # ids of params a DeepSpeed hook took a gradient of, this backward
@@ -98,6 +102,8 @@ class GradHookGuard:
         unmanaged = [self.name_of(p) for p in self._unmanaged if p.grad is not None]
         if unmanaged:
             raise GradientsNotReducedError(_unmanaged_message(unmanaged))
+        if self.reduces_grads_at_boundary:
+            return  # no hook to miss: DeepSpeed reads every managed param's .grad at the boundary
         missed_params = [p for p in got_gradient if id(p) not in self._taken]
         missed = [self.name_of(p) for p in missed_params]
         if missed and self.hooks.leaf_reduction_is_per_forward() and all(id(p) in self._leaf_ids

@@ -82,6 +82,13 @@ class GradHooks:
         require(optimizer, self._create_name, "DeepSpeed's gradient hook creation")
         require(self._module, "register_grad_hook", "DeepSpeed's gradient hook registration")
 
+    def reduces_grads_at_boundary(self) -> bool:
+        """True when DeepSpeed made no gradient hooks: ZeRO-1 with contiguous_gradients and
+        overlap_comm off (and no fp32 grad accumulation attribute). Its boundary backward's
+        epilogue then reduces every managed param's .grad itself (``reduce_gradients``),
+        and .grad accumulates across backwards and micro-steps until then."""
+        return self.stage != 3 and not self.optimizer._grad_acc_hooks
+
     def removed_by_destroy(self) -> bool:
         """True when DeepSpeed removed every gradient hook it holds, as its ``destroy()`` does:
         a stock-destroyed engine, whose gradients would reach no bucket."""
