@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
+from harness import DS_VERSION, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
 
 SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
 needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
@@ -95,3 +95,70 @@ def test_users_full_backward_hook_sees_torchs_gradients(stage):
     assert len(seen["engine"]) == len(seen["torch"]) == 4
     for got, want in zip(seen["engine"], seen["torch"]):
         torch.testing.assert_close(got, want)
+
+
+class DeepSpeedCheckpointed(torch.nn.Module):
+    """mlp_norm's layers, the first two under DeepSpeed's own activation checkpointing
+    (deepspeed.checkpointing.checkpoint, as Megatron-DeepSpeed uses it) or none."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.ln, self.l2 = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        self.checkpointed = True
+
+    def _block(self, x):
+        return torch.tanh(self.ln(self.l1(x)))
+
+    def forward(self, x):
+        from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+        return self.l2(checkpoint(self._block, x) if self.checkpointed else self._block(x))
+
+
+# 0.17.6's and 0.18.9's checkpoint makes an accelerator stream in every forward, which their
+# CPU accelerator does not have (a TypeError); 0.19.8's does not need one.
+needs_streams = pytest.mark.skipif(DS_VERSION in ("0.17.6", "0.18.9"),
+                                   reason="this DeepSpeed's checkpoint needs an accelerator Stream: none on the CPU")
+
+
+def _deepspeed_checkpointed_pair(stage):
+    import copy
+
+    import deepspeed
+    from harness import ds_config
+    torch.manual_seed(0)
+    model = DeepSpeedCheckpointed()
+    reference = copy.deepcopy(model)
+    reference.checkpointed = False  # the oracle recomputes nothing: same math
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.01),
+                                      model_parameters=model.parameters())
+    return engine, reference, torch.optim.SGD(reference.parameters(), lr=0.01)
+
+
+@needs_streams
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_activation_checkpointing_one_backward(stage):
+    """One backward per forward through deepspeed.checkpointing.checkpoint: its recompute
+    gathers the ZeRO-3 params again inside the backward."""
+    engine, reference, ref_opt = _deepspeed_checkpointed_pair(stage)
+    zero_lifetime.install(engine)
+    for step in range(3):
+        x = make_input("mlp_norm", step).requires_grad_(True)
+        engine.backward(sum(losses(engine(x))))
+        sum(losses(reference(x))).backward()
+        _finish(engine, reference, ref_opt, stage)
+
+
+@needs_streams
+@pytest.mark.parametrize("install", [False, True], ids=["stock", "installed"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_activation_checkpointing_refuses_a_second_backward(stage, install):
+    """DeepSpeed's checkpoint frees what it saved in its first backward, so a second one
+    through the same forward fails inside it, stock or installed (README, Limitations).
+    ZeRO-1/2 show it stock; stock ZeRO-3 fails earlier, on the released params."""
+    engine, _, _ = _deepspeed_checkpointed_pair(stage)
+    if install:
+        zero_lifetime.install(engine)
+    l1, l2 = losses(engine(make_input("mlp_norm", 0).requires_grad_(True)))
+    engine.backward(l1, retain_graph=True)
+    with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+        engine.backward(l2)
