@@ -34,6 +34,7 @@ BUCKET_ORDER = [sc for sc in worker.SCENARIOS if sc["kind"] == "bucket_order"]
 STALE = [sc for sc in worker.SCENARIOS if sc["kind"] == "stale"]
 AUTOGRAD_GRAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "autograd_grad"]
 DEAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead"]
+COALESCE = [sc for sc in worker.SCENARIOS if sc["kind"] == "coalesce"]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
 ORDER_GAS = [sc for sc in BUCKET_ORDER if "gas" in sc]
 ORDER_UNCHECKED = [sc for sc in BUCKET_ORDER if not sc["check"]]
@@ -142,6 +143,17 @@ def test_stale_graph_refused_on_every_rank_then_training_goes_on(results, sc):
         assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
         if sc["stage"] == 3:
             assert record["stats"]["live_handles"] == 0, record["stats"]
+
+
+@pytest.mark.parametrize("sc", COALESCE, ids=_ids(COALESCE))
+def test_coalesced_reduction_matches_the_all_reduced_oracle(results, sc):
+    """engine.coalesce_grad_reduction() around two retained backwards, or a micro-batch per
+    backward: one reduction at the block's exit, the same weights as the oracle on both ranks."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        bad = {n: e for n, e in record["tol_excess"].items() if not e <= ATOL}
+        assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
+        if sc["stage"] == 3:
+            assert record["stats"]["live_handles"] == 0 and record["stats"]["pinned_params"] == 0, record["stats"]
 
 
 @pytest.mark.parametrize("sc", AUTOGRAD_GRAD, ids=_ids(AUTOGRAD_GRAD))

@@ -234,6 +234,15 @@ def _build_scenarios():
     out.append(dead(3, "retained_loss", dies="autograd_grad"))
     out.append(dead(3, "retained_loss", policy="pin"))  # pinned params of both graphs: all let go
     out.append(dead(3, "new_forward", bucket="one_weight", policy="pin"))
+    # DeepSpeed 0.19.8's engine.coalesce_grad_reduction(): the backwards of a block leave their
+    # gradients on the params and its exit reduces them once (stock ZeRO-3 fails a retained
+    # second backward in it like anywhere else).
+    if _has_coalesce_grad_reduction():
+        for stage, policy in ((1, None), (2, None), (3, "regather"), (3, "pin")):
+            for offload in (False, True):
+                for mode in ("retained", "two_forwards", "plain_backward"):
+                    sid = f"coalesce-stage{stage}-{policy or 'none'}-{'offload' if offload else 'no_offload'}-{mode}"
+                    out.append(dict(id=sid, kind="coalesce", stage=stage, policy=policy, offload=offload, mode=mode))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -263,6 +272,10 @@ def _build_scenarios():
 def deepspeed_release() -> str:
     from importlib.metadata import version  # not deepspeed itself: too heavy for the parent
     return version("deepspeed").split("+")[0]
+
+
+def _has_coalesce_grad_reduction() -> bool:
+    return deepspeed_release() == "0.19.8"  # added in 0.19; the parent does not import DeepSpeed
 
 
 def _has_trl() -> bool:
@@ -601,6 +614,53 @@ def _run_stale(sc, rank):
     return record
 
 
+def _run_coalesce(sc, rank):
+    """3 steps, each one ``engine.coalesce_grad_reduction()`` block (DeepSpeed 0.19.8+: every
+    backward in it leaves its gradients on the params, one reduction at its exit): "retained",
+    two backwards over one forward; "two_forwards", a forward and engine.backward per micro-batch;
+    "plain_backward", the same with loss.backward(). Against the oracle averaged over the ranks."""
+    import copy
+
+    import deepspeed
+    import torch
+    import zero_lifetime
+    from harness import MODELS, ds_config, full_weights, losses
+
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    oracle = copy.deepcopy(model)
+    lr = LR["mlp_norm"]
+    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **offload),
+                                      model_parameters=model.parameters())
+    zero_lifetime.install(engine, policy=sc["policy"])
+    for step in range(STEPS):
+        batches = [_shard("mlp_norm", 2 * step + k, rank) for k in range(2)]
+        with engine.coalesce_grad_reduction():
+            if sc["mode"] == "retained":
+                l1, l2 = losses(engine(batches[0]))
+                engine.backward(l1, retain_graph=True)
+                engine.backward(l2)
+            else:
+                for x in batches:
+                    loss = sum(losses(engine(x)))
+                    engine.backward(loss) if sc["mode"] == "two_forwards" else loss.backward()
+        engine.step()
+        for x in batches[:1] if sc["mode"] == "retained" else batches:
+            sum(losses(oracle(x))).backward()
+        _average_over_ranks([p.grad for p in oracle.parameters()])
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach() for n, p in oracle.named_parameters()}
+    abs_diff, excess = _compare(full_weights(engine), want)
+    gc.collect()
+    record = {"abs_diff": abs_diff, "tol_excess": excess, "stats": zero_lifetime.stats(engine)}
+    engine.destroy()
+    del engine
+    return record
+
+
 def _run_autograd_grad(sc, rank):
     """Per step, in the scenario's order, torch.autograd.grad and a training backward through
     one graph, then step(); against the oracle averaged over the ranks by all_reduce.
@@ -855,6 +915,8 @@ def _run_scenario(sc, rank):
         return _run_autograd_grad(sc, rank)
     if sc["kind"] == "dead":
         return _run_dead(sc, rank)
+    if sc["kind"] == "coalesce":
+        return _run_coalesce(sc, rank)
     return _run_training(sc, rank)
 
 
