@@ -243,6 +243,20 @@ def _build_scenarios():
                 for mode in ("retained", "two_forwards", "plain_backward"):
                     sid = f"coalesce-stage{stage}-{policy or 'none'}-{'offload' if offload else 'no_offload'}-{mode}"
                     out.append(dict(id=sid, kind="coalesce", stage=stage, policy=policy, offload=offload, mode=mode))
+    # DeepSpeed 0.19.8's "managed_gradient_accumulation": false (step() is the boundary, after
+    # any number of backwards). Stock controls with loss.backward(): ZeRO-2 fails without offload
+    # and trains off the oracle with it, ZeRO-3 fails the retained second backward.
+    if _has_coalesce_grad_reduction():
+        for stage, policy in ((1, None), (2, None), (3, "regather"), (3, "pin")):
+            for offload in (False, True):
+                for path in ("engine", "manual"):
+                    sid = f"unmanaged-stage{stage}-{policy or 'none'}-{'offload' if offload else 'no_offload'}-{path}"
+                    out.append(dict(id=sid, kind="unmanaged", stage=stage, policy=policy, offload=offload, path=path,
+                                    install=True))
+        for stage, offload in ((2, False), (2, True), (3, True)):
+            sid = f"unmanaged-stage{stage}-{'offload' if offload else 'no_offload'}-manual-no-install"
+            out.append(dict(id=sid, kind="unmanaged", stage=stage, policy=None, offload=offload, path="manual",
+                            install=False))
     # Stock ZeRO-1/2 steps on 2 ranks (0.18.9: its step() fails on gloo; install repairs it).
     for stage in (1, 2):
         out.append(dict(id=f"stock12-stage{stage}-no-install", kind="stock12", stage=stage))
@@ -275,7 +289,9 @@ def deepspeed_release() -> str:
 
 
 def _has_coalesce_grad_reduction() -> bool:
-    return deepspeed_release() == "0.19.8"  # added in 0.19; the parent does not import DeepSpeed
+    """engine.coalesce_grad_reduction() and managed_gradient_accumulation, both new in 0.19
+    (the parent does not import DeepSpeed to ask it)."""
+    return deepspeed_release() == "0.19.8"
 
 
 def _has_trl() -> bool:
@@ -661,6 +677,61 @@ def _run_coalesce(sc, rank):
     return record
 
 
+# managed_gradient_accumulation=False: per step, the micro-batches before step(); 1 is one
+# backward of l1 + l2, 2 a retained backward of l1 then one of l2.
+UNMANAGED_STEPS = [[1, 1], [2], [2, 1, 2]]
+
+
+def _run_unmanaged(sc, rank):
+    """``"managed_gradient_accumulation": false`` (DeepSpeed 0.19.8): step() is the accumulation
+    boundary, after any number of backwards (UNMANAGED_STEPS). Against the oracle averaged over
+    the ranks; ``raised`` holds what a stock run raised (the weights are then not compared)."""
+    import copy
+
+    import deepspeed
+    import torch
+    import zero_lifetime
+    from harness import MODELS, backward_both, backward_by, ds_config, full_weights, losses
+
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    oracle = copy.deepcopy(model)
+    lr = LR["mlp_norm"]
+    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
+    config = dict(ds_config(sc["stage"], 0, lr=lr, **offload), managed_gradient_accumulation=False)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    if sc["install"]:
+        zero_lifetime.install(engine, policy=sc["policy"])
+    raised = None
+    try:
+        for step, micro_batches in enumerate(UNMANAGED_STEPS):
+            for k, backwards in enumerate(micro_batches):
+                x = _shard("mlp_norm", 4 * step + k, rank)
+                l1, l2 = losses(engine(x))
+                if backwards == 2:
+                    backward_both(engine, l1, l2, sc["path"], zero_grad=False)
+                else:
+                    backward_by(engine, l1 + l2, sc["path"])
+                sum(losses(oracle(x))).backward()
+            engine.step()
+            _average_over_ranks([p.grad for p in oracle.parameters()])
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - a stock run's failure is its result
+        if sc["install"]:
+            raise
+        raised = f"{type(exc).__name__}: {exc}"
+    want = {n: p.detach() for n, p in oracle.named_parameters()}
+    abs_diff, excess = _compare(full_weights(engine), want) if raised is None else ({}, {})
+    gc.collect()
+    record = {"raised": raised, "abs_diff": abs_diff, "tol_excess": excess,
+              "stats": zero_lifetime.stats(engine) if sc["install"] else None}
+    engine.destroy()
+    del engine
+    return record
+
+
 def _run_autograd_grad(sc, rank):
     """Per step, in the scenario's order, torch.autograd.grad and a training backward through
     one graph, then step(); against the oracle averaged over the ranks by all_reduce.
@@ -917,6 +988,8 @@ def _run_scenario(sc, rank):
         return _run_dead(sc, rank)
     if sc["kind"] == "coalesce":
         return _run_coalesce(sc, rank)
+    if sc["kind"] == "unmanaged":
+        return _run_unmanaged(sc, rank)
     return _run_training(sc, rank)
 
 
