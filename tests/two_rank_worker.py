@@ -578,25 +578,44 @@ def _run_stock(sc, rank):
     return record
 
 
-def _run_stale(sc, rank):
-    """Step 0: backward l1 (graph retained), step(), then backward l2 through the stale graph:
-    refused on every rank (the plain-torch oracle refuses it too). Steps 1-2: retained two
-    backwards, against the oracle averaged over the ranks by all_reduce."""
+def _mlp_engine_and_oracle(sc, zero=None, config=None, prepare=None, install=True):
+    """mlp_norm from one seed twice: a DeepSpeed engine of ``sc``'s stage (``zero``: more
+    zero_optimization settings; ``config``: top-level ones; ``prepare(model)`` runs before
+    ``deepspeed.initialize``), installed with ``sc``'s policy unless ``install`` is False, and
+    the plain-torch oracle with its SGD. Returns (engine, oracle, opt)."""
     import copy
 
     import deepspeed
     import torch
     import zero_lifetime
-    from harness import MODELS, ds_config, full_weights, losses
+    from harness import MODELS, ds_config
 
     torch.manual_seed(0)
     model = MODELS["mlp_norm"]()
     oracle = copy.deepcopy(model)
     lr = LR["mlp_norm"]
     opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **sc["zero"]),
-                                      model_parameters=model.parameters())
-    zero_lifetime.install(engine, policy=sc["policy"])
+    if prepare is not None:
+        prepare(model)
+    cfg = dict(ds_config(sc["stage"], 0, lr=lr, **(zero or {})), **(config or {}))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    if install:
+        zero_lifetime.install(engine, policy=sc["policy"])
+    return engine, oracle, opt
+
+
+def _offload(sc) -> dict:
+    return {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
+
+
+def _run_stale(sc, rank):
+    """Step 0: backward l1 (graph retained), step(), then backward l2 through the stale graph:
+    refused on every rank (the plain-torch oracle refuses it too). Steps 1-2: retained two
+    backwards, against the oracle averaged over the ranks by all_reduce."""
+    import zero_lifetime
+    from harness import full_weights, losses
+
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=sc["zero"])
     x = _shard("mlp_norm", 0, rank)
     raised = {}
     e1, e2 = losses(engine(x))
@@ -635,22 +654,10 @@ def _run_coalesce(sc, rank):
     backward in it leaves its gradients on the params, one reduction at its exit): "retained",
     two backwards over one forward; "two_forwards", a forward and engine.backward per micro-batch;
     "plain_backward", the same with loss.backward(). Against the oracle averaged over the ranks."""
-    import copy
-
-    import deepspeed
-    import torch
     import zero_lifetime
-    from harness import MODELS, ds_config, full_weights, losses
+    from harness import full_weights, losses
 
-    torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
-    oracle = copy.deepcopy(model)
-    lr = LR["mlp_norm"]
-    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **offload),
-                                      model_parameters=model.parameters())
-    zero_lifetime.install(engine, policy=sc["policy"])
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=_offload(sc))
     for step in range(STEPS):
         batches = [_shard("mlp_norm", 2 * step + k, rank) for k in range(2)]
         with engine.coalesce_grad_reduction():
@@ -686,23 +693,11 @@ def _run_unmanaged(sc, rank):
     """``"managed_gradient_accumulation": false`` (DeepSpeed 0.19.8): step() is the accumulation
     boundary, after any number of backwards (UNMANAGED_STEPS). Against the oracle averaged over
     the ranks; ``raised`` holds what a stock run raised (the weights are then not compared)."""
-    import copy
-
-    import deepspeed
-    import torch
     import zero_lifetime
-    from harness import MODELS, backward_both, backward_by, ds_config, full_weights, losses
+    from harness import backward_both, backward_by, full_weights, losses
 
-    torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
-    oracle = copy.deepcopy(model)
-    lr = LR["mlp_norm"]
-    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
-    config = dict(ds_config(sc["stage"], 0, lr=lr, **offload), managed_gradient_accumulation=False)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    if sc["install"]:
-        zero_lifetime.install(engine, policy=sc["policy"])
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=_offload(sc), install=sc["install"],
+                                                 config={"managed_gradient_accumulation": False})
     raised = None
     try:
         for step, micro_batches in enumerate(UNMANAGED_STEPS):
@@ -738,22 +733,11 @@ def _run_autograd_grad(sc, rank):
     wrt "input": backward l1 (retained), then autograd.grad(l2, x). wrt "param": autograd.grad
     (l1, l1.weight) (retained), then backward l1 + l2. Records per step the autograd.grad
     result's difference to the oracle's and what stayed gathered right after it."""
-    import copy
-
-    import deepspeed
     import torch
     import zero_lifetime
-    from harness import MODELS, ds_config, full_weights, grad_and_backward, released_state
+    from harness import full_weights, grad_and_backward, released_state
 
-    torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
-    oracle = copy.deepcopy(model)
-    lr = LR["mlp_norm"]
-    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    _mark_leaf_modules(model, sc)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr),
-                                      model_parameters=model.parameters())
-    zero_lifetime.install(engine, policy=sc["policy"])
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, prepare=lambda model: _mark_leaf_modules(model, sc))
 
     grad_diff, gathered_after = [], []
     for step in range(STEPS):
@@ -787,22 +771,15 @@ def _run_dead(sc, rank):
     backward's gradient, averaged over the ranks, added; the oracle then goes on from there."""
     import copy
 
-    import deepspeed
     import torch
     import zero_lifetime
-    from harness import HIDDEN, MODELS, OUT, ds_config, full_weights, losses, make_backward_die_at, released_state
+    from harness import HIDDEN, OUT, full_weights, losses, make_backward_die_at, released_state
 
-    torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
-    oracle = copy.deepcopy(model)
     lr = LR["mlp_norm"]
-    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    zero = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
+    zero = _offload(sc)
     if sc["bucket"] == "one_weight":
         zero["reduce_bucket_size"] = HIDDEN * OUT
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], 0, lr=lr, **zero),
-                                      model_parameters=model.parameters())
-    zero_lifetime.install(engine, policy=sc["policy"])
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=zero)
 
     def die(model, backward):
         x_dead = _shard("mlp_norm", 100, rank).requires_grad_(sc["dies"] == "autograd_grad")
