@@ -618,3 +618,73 @@ def test_param_groups_with_their_own_lr(stage, policy, offload):
         ref_opt.step()
         ref_opt.zero_grad()
     assert_weights_match(engine, reference)
+
+
+def _muon_engine(stage, offload=False, gas=1, install=True):
+    """mlp_norm under DeepSpeed's Muon optimizer (Muon for the matrices, Adam for the rest)."""
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    for p in model.parameters():
+        p.use_muon = p.ndim == 2
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    config = dict(ds_config(stage, lr=0.01, gas=gas, **zero), optimizer={"type": "Muon", "params": {"lr": 0.01}})
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    if install:
+        zero_lifetime.install(engine)
+    return engine
+
+
+def _muon_train(engine, micro_steps, two_backwards_at):
+    """``two_backwards_at(micro)``: a retained backward of each loss there, else one of their sum."""
+    for micro in range(micro_steps):
+        first, second = losses(engine(make_input("mlp_norm", 100 + micro)))
+        if two_backwards_at(micro):
+            engine.backward(first, retain_graph=True)
+            engine.backward(second)
+        else:
+            engine.backward(first + second)
+        engine.step()
+    return full_weights(engine)
+
+
+def _assert_same(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+# Stock 0.17.6 keeps only the last micro-step at GAS 2 and fails a backward after zero_grad()
+# that follows a boundary one (test_stock_zero2_accumulation, test_stock_stage12_two_backwards):
+# it cannot be the oracle of those two cases there.
+stock_oracle_0176 = pytest.mark.skipif(DS_VERSION == "0.17.6", reason="stock 0.17.6 is wrong there: no oracle")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("offload", [pytest.param(False, marks=stock_oracle_0176), True], ids=["no_offload", "offload"])
+def test_muon_two_backwards_where_they_sum(stage, offload):
+    """Muon is not linear in the gradient: two backwards must reach it as their sum. With CPU
+    offload it runs in step() on the summed fp32 gradients; without, DeepSpeed sums the
+    backwards of a non-boundary micro-step itself (GAS 2). Either way = stock's summed loss."""
+    gas, two_at = (1, lambda micro: True) if offload else (2, lambda micro: micro % 2 == 0)
+    want = _muon_train(_muon_engine(stage, offload, gas, install=False), 3 * gas, lambda micro: False)
+    _assert_same(_muon_train(_muon_engine(stage, offload, gas), 3 * gas, two_at), want)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_second_backward_at_the_boundary_is_refused_without_offload(stage):
+    """DeepSpeed writes Muon's update into the partitions at each boundary epilogue; the
+    updates of two backwards are not the update of their sum (summed, 0.017 off stock after 3
+    steps), so the second backward is refused before it changes anything; after zero_grad()
+    the engine trains as stock does from the same point."""
+    trained = []
+    for install in (True, False) if DS_VERSION != "0.17.6" else (True, ):  # stock_oracle_0176
+        engine = _muon_engine(stage, install=install)
+        first, second = losses(engine(make_input("mlp_norm", 0)))
+        engine.backward(first, retain_graph=True)
+        if install:
+            with pytest.raises(NotImplementedError, match="Muon optimizer on ZeRO-1/2"):
+                engine.backward(second)
+        engine.zero_grad()
+        trained.append(_muon_train(engine, 2, lambda micro: False))
+        engine.destroy()
+    if len(trained) == 2:
+        _assert_same(*trained)
