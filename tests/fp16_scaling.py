@@ -39,16 +39,17 @@ def cpu_fp16_allowed():
         del accelerator.is_fp16_supported  # the class's own answer again
 
 
-def config(stage: int, offload: bool, bucket: int, clip: float = 0.0):
+def config(stage: int, offload: bool, bucket: int, clip: float = 0.0, zero: dict = None):
     cfg = mt.config(stage, "zero_grad_between", offload, "fp32", bucket=bucket, clip=clip)
+    cfg["zero_optimization"].update(zero or {})
     cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
                    "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
     return cfg
 
 
-def build_engine(model, stage: int, offload: bool, bucket: int, clip: float = 0.0):
+def build_engine(model, stage: int, offload: bool, bucket: int, clip: float = 0.0, zero: dict = None):
     with cpu_fp16_allowed():
-        engine, *_ = deepspeed.initialize(model=model, config=config(stage, offload, bucket, clip),
+        engine, *_ = deepspeed.initialize(model=model, config=config(stage, offload, bucket, clip, zero),
                                           model_parameters=model.parameters())
     return engine
 

@@ -21,10 +21,11 @@ BUCKETS = [100, 1000]
 PATHS = ["engine", "scale"] if TORCH_STYLE_BACKWARD else ["engine"]
 
 
-def _run(stage, offload, path, zero_grad, bucket, install=True, clip=0.0):
-    """(max abs diff per param, the engine's (loss scale, skipped steps), torch's, steps torch clipped)."""
+def _run(stage, offload, path, zero_grad, bucket, install=True, clip=0.0, zero=None):
+    """(max abs diff per param, the engine's (loss scale, skipped steps), torch's, steps torch clipped).
+    ``zero``: more zero_optimization settings."""
     model, reference = mt.make_models()
-    engine = fp16.build_engine(model, stage, offload, bucket, clip)
+    engine = fp16.build_engine(model, stage, offload, bucket, clip, zero)
     if install:
         zero_lifetime.install(engine)
     fp16.train_engine(engine, path, zero_grad)
@@ -65,6 +66,28 @@ def test_overflow_and_gradient_clipping(stage, offload, zero_grad):
     assert clipped >= 3, "clipping should engage in most of the steps taken"
     assert got == want, f"(loss scale, skipped steps): engine {got}, torch {want}"
     assert max(diffs.values()) <= 1e-4, diffs
+
+
+WITHOUT_HOOKS = {"contiguous_gradients": False, "overlap_comm": False}
+
+
+@pytest.mark.parametrize("install", [True, False], ids=["installed", "stock"])
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no_zero_grad"])
+def test_stage1_without_gradient_hooks(zero_grad, install):
+    """ZeRO-1 with no gradient hooks (.grad reduced at the boundary): an overflow in either
+    backward skips the step. Stock (no zero_grad() between) keeps only the last backward
+    and misses the overflows of the first; stock 0.17.6 fails in the second backward (its
+    epilogue adds to a sum the first one freed, zero_grad() or not): negative controls."""
+    if not install and DS_VERSION == "0.17.6":
+        with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+            _run(1, False, "engine", zero_grad, bucket=1000, install=False, zero=WITHOUT_HOOKS)
+        return
+    diffs, got, want, _ = _run(1, False, "engine", zero_grad, bucket=1000, install=install, zero=WITHOUT_HOOKS)
+    if install or zero_grad:
+        assert got == want, f"(loss scale, skipped steps): engine {got}, torch {want}"
+        assert max(diffs.values()) <= 1e-4, diffs
+    else:
+        assert got[1] < want[1], (got, want)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
