@@ -15,7 +15,7 @@ import two_rank_worker as base
 
 WORLD = base.WORLD
 SEQUENCE_PARALLEL = 2
-STEPS, LR, SEQ, HIDDEN = 3, 0.01, 8, 8
+STEPS, LR, SEQ = 3, 0.01, 8
 
 
 def _scenario(stage, install, reduce_scatter=True, offload=False, policy=None):
@@ -39,24 +39,17 @@ SCENARIOS = _build_scenarios()
 
 
 def _model():
+    """mlp_norm: its layers act on each token alone."""
     import torch
-
-    class TokenMLP(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.l1, self.ln, self.l2 = torch.nn.Linear(HIDDEN, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.l2(torch.tanh(self.ln(self.l1(x))))
-
+    from harness import MODELS
     torch.manual_seed(0)
-    return TokenMLP()
+    return MODELS["mlp_norm"]()
 
 
 def _batch(step):
     import torch
-    return torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(100 + step))
+    from harness import IN
+    return torch.randn(2, SEQ, IN, generator=torch.Generator().manual_seed(100 + step))
 
 
 def _losses(out, tokens):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import DS_VERSION, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
+from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, MLPNorm, assert_weights_match, losses, make_input, make_pair,
+                     released_state)
 
 SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
 needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
@@ -97,17 +98,16 @@ def test_users_full_backward_hook_sees_torchs_gradients(stage):
         torch.testing.assert_close(got, want)
 
 
-class DeepSpeedCheckpointed(torch.nn.Module):
-    """mlp_norm's layers, the first two under DeepSpeed's own activation checkpointing
+class DeepSpeedCheckpointed(MLPNorm):
+    """mlp_norm, its layers but the last under DeepSpeed's own activation checkpointing
     (deepspeed.checkpointing.checkpoint, as Megatron-DeepSpeed uses it) or none."""
 
     def __init__(self):
         super().__init__()
-        self.l1, self.ln, self.l2 = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
         self.checkpointed = True
 
     def _block(self, x):
-        return torch.tanh(self.ln(self.l1(x)))
+        return self.ln(torch.relu(self.l1(x)))
 
     def forward(self, x):
         from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint

@@ -432,9 +432,7 @@ def _allreduce_step(model, opt, sc, step, backwards, rank):
         (l2 / sc["gas"]).backward()
     if not _at_boundary(sc, step):
         return  # .grad sums the window's micro-steps; reduced once, at its end
-    _average_over_ranks([p.grad for p in model.parameters()])
-    opt.step()
-    opt.zero_grad()
+    _oracle_step(model, opt)
 
 
 def _average_over_ranks(grads):
@@ -443,6 +441,20 @@ def _average_over_ranks(grads):
     for grad in grads:
         dist.all_reduce(grad)
         grad /= WORLD
+
+
+def _oracle_step(oracle, opt):
+    """The oracle's SGD step on its gradients averaged over the ranks (a param with none,
+    None on every rank alike, is left out), then zero_grad()."""
+    _average_over_ranks([p.grad for p in oracle.parameters() if p.grad is not None])
+    opt.step()
+    opt.zero_grad()
+
+
+def _against_oracle(engine, oracle):
+    """(abs_diff, tol_excess) of the engine's full weights against the oracle's (_compare)."""
+    from harness import full_weights
+    return _compare(full_weights(engine), {n: p.detach() for n, p in oracle.named_parameters()})
 
 
 def end_engine(engine, record, installed):
@@ -613,7 +625,7 @@ def _run_stale(sc, rank):
     refused on every rank (the plain-torch oracle refuses it too). Steps 1-2: retained two
     backwards, against the oracle averaged over the ranks by all_reduce."""
     import zero_lifetime
-    from harness import full_weights, losses
+    from harness import losses
 
     engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=sc["zero"])
     x = _shard("mlp_norm", 0, rank)
@@ -627,9 +639,7 @@ def _run_stale(sc, rank):
         raised["engine"] = str(exc)
     r1, r2 = losses(oracle(x))
     r1.backward(retain_graph=True)
-    _average_over_ranks([p.grad for p in oracle.parameters()])
-    opt.step()
-    opt.zero_grad()
+    _oracle_step(oracle, opt)
     try:
         r2.backward()
     except RuntimeError as exc:
@@ -641,8 +651,7 @@ def _run_stale(sc, rank):
     for step in (1, 2):
         _engine_step(engine, dict(sc, **steps), step, 2, rank)
         _allreduce_step(oracle, opt, steps, step, 2, rank)
-    want = {n: p.detach() for n, p in oracle.named_parameters()}
-    abs_diff, excess = _compare(full_weights(engine), want)
+    abs_diff, excess = _against_oracle(engine, oracle)
     gc.collect()
     record = {"raised": raised, "abs_diff": abs_diff, "tol_excess": excess, "stats": zero_lifetime.stats(engine)}
     del engine
@@ -655,7 +664,7 @@ def _run_coalesce(sc, rank):
     two backwards over one forward; "two_forwards", a forward and engine.backward per micro-batch;
     "plain_backward", the same with loss.backward(). Against the oracle averaged over the ranks."""
     import zero_lifetime
-    from harness import full_weights, losses
+    from harness import losses
 
     engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=_offload(sc))
     for step in range(STEPS):
@@ -672,11 +681,8 @@ def _run_coalesce(sc, rank):
         engine.step()
         for x in batches[:1] if sc["mode"] == "retained" else batches:
             sum(losses(oracle(x))).backward()
-        _average_over_ranks([p.grad for p in oracle.parameters()])
-        opt.step()
-        opt.zero_grad()
-    want = {n: p.detach() for n, p in oracle.named_parameters()}
-    abs_diff, excess = _compare(full_weights(engine), want)
+        _oracle_step(oracle, opt)
+    abs_diff, excess = _against_oracle(engine, oracle)
     gc.collect()
     record = {"abs_diff": abs_diff, "tol_excess": excess, "stats": zero_lifetime.stats(engine)}
     engine.destroy()
@@ -694,7 +700,7 @@ def _run_unmanaged(sc, rank):
     boundary, after any number of backwards (UNMANAGED_STEPS). Against the oracle averaged over
     the ranks; ``raised`` holds what a stock run raised (the weights are then not compared)."""
     import zero_lifetime
-    from harness import backward_both, backward_by, full_weights, losses
+    from harness import backward_both, backward_by, losses
 
     engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=_offload(sc), install=sc["install"],
                                                  config={"managed_gradient_accumulation": False})
@@ -710,15 +716,12 @@ def _run_unmanaged(sc, rank):
                     backward_by(engine, l1 + l2, sc["path"])
                 sum(losses(oracle(x))).backward()
             engine.step()
-            _average_over_ranks([p.grad for p in oracle.parameters()])
-            opt.step()
-            opt.zero_grad()
+            _oracle_step(oracle, opt)
     except Exception as exc:  # noqa: BLE001 - a stock run's failure is its result
         if sc["install"]:
             raise
         raised = f"{type(exc).__name__}: {exc}"
-    want = {n: p.detach() for n, p in oracle.named_parameters()}
-    abs_diff, excess = _compare(full_weights(engine), want) if raised is None else ({}, {})
+    abs_diff, excess = _against_oracle(engine, oracle) if raised is None else ({}, {})
     gc.collect()
     record = {"raised": raised, "abs_diff": abs_diff, "tol_excess": excess,
               "stats": zero_lifetime.stats(engine) if sc["install"] else None}
@@ -735,7 +738,7 @@ def _run_autograd_grad(sc, rank):
     result's difference to the oracle's and what stayed gathered right after it."""
     import torch
     import zero_lifetime
-    from harness import full_weights, grad_and_backward, released_state
+    from harness import grad_and_backward, released_state
 
     engine, oracle, opt = _mlp_engine_and_oracle(sc, prepare=lambda model: _mark_leaf_modules(model, sc))
 
@@ -748,11 +751,8 @@ def _run_autograd_grad(sc, rank):
         x_ref = _shard("mlp_norm", step, rank).requires_grad_(sc["wrt"] == "input")
         want = grad_and_backward(oracle, torch.Tensor.backward, oracle.l1.weight, x_ref, sc["wrt"])
         grad_diff.append((got - want).abs().max().item() if got.shape == want.shape else float("inf"))
-        _average_over_ranks([p.grad for p in oracle.parameters()])
-        opt.step()
-        opt.zero_grad()
-    want = {n: p.detach() for n, p in oracle.named_parameters()}
-    abs_diff, excess = _compare(full_weights(engine), want)
+        _oracle_step(oracle, opt)
+    abs_diff, excess = _against_oracle(engine, oracle)
     gc.collect()
     record = {"grad_diff": grad_diff, "gathered_after": gathered_after, "abs_diff": abs_diff,
               "tol_excess": excess, "stats": zero_lifetime.stats(engine)}
@@ -818,10 +818,7 @@ def _run_dead(sc, rank):
         engine.zero_grad()
         opt.zero_grad()
     engine.step()
-    # None after zero_grad(), on every rank alike.
-    _average_over_ranks([p.grad for p in oracle.parameters() if p.grad is not None])
-    opt.step()
-    opt.zero_grad()
+    _oracle_step(oracle, opt)  # grads None after zero_grad(), on every rank alike
     del e1, e2, r1, r2
     kept_dead, step0_bad = [], []
     with torch.no_grad():
@@ -838,8 +835,7 @@ def _run_dead(sc, rank):
     for step in (1, 2):
         _engine_step(engine, steps, step, 2, rank)
         _allreduce_step(oracle, opt, steps, step, 2, rank)
-    want = {n: p.detach() for n, p in oracle.named_parameters()}
-    abs_diff, excess = _compare(full_weights(engine), want)
+    abs_diff, excess = _against_oracle(engine, oracle)
     gc.collect()
     record = {"raised": raised, "kept_dead": kept_dead, "step0_bad": step0_bad,
               "gathered_after_step0": gathered_after_step0, "abs_diff": abs_diff, "tol_excess": excess,
