@@ -9,9 +9,10 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param
 
 import zero_lifetime
-from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, ds_config,
-                     full_weights, gathered_bytes, grad_and_backward, losses, make_input, make_pair,
-                     params_saved_by_forward, reference_two_backwards, released_state, train_step, two_backwards)
+from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match,
+                     ds_config, full_weights, gathered_bytes, grad_and_backward, losses, make_backward_die_at,
+                     make_input, make_pair, params_saved_by_forward, reference_two_backwards, released_state,
+                     train_step, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.bench.step import PeakGathered
 
@@ -658,33 +659,76 @@ def _assert_same(got, want):
 stock_oracle_0176 = pytest.mark.skipif(DS_VERSION == "0.17.6", reason="stock 0.17.6 is wrong there: no oracle")
 
 
+def _at_every_micro_step(micro):
+    return True
+
+
+def _at_the_first_micro_step(micro):
+    return micro % 2 == 0
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("offload", [pytest.param(False, marks=stock_oracle_0176), True], ids=["no_offload", "offload"])
-def test_muon_two_backwards_where_they_sum(stage, offload):
-    """Muon is not linear in the gradient: two backwards must reach it as their sum. With CPU
-    offload it runs in step() on the summed fp32 gradients; without, DeepSpeed sums the
-    backwards of a non-boundary micro-step itself (GAS 2). Either way = stock's summed loss."""
-    gas, two_at = (1, lambda micro: True) if offload else (2, lambda micro: micro % 2 == 0)
+@pytest.mark.parametrize("offload, gas, two_at", [
+    pytest.param(True, 1, _at_every_micro_step, id="offload"),
+    pytest.param(False, 1, _at_every_micro_step, id="boundary"),
+    pytest.param(False, 2, _at_the_first_micro_step, id="gas2-before_boundary", marks=stock_oracle_0176),
+    pytest.param(False, 2, _at_every_micro_step, id="gas2-every_micro_step", marks=stock_oracle_0176),
+])
+def test_muon_two_backwards_where_they_sum(stage, offload, gas, two_at):
+    """Muon is not linear in the gradient: two backwards must reach it as their sum (stock's
+    one backward of the summed loss). With CPU offload it runs in step() on the summed fp32
+    gradients, and DeepSpeed sums a non-boundary micro-step's backwards itself. At the
+    boundary without offload each backward's epilogue writes Muon's update into the partitions
+    (summed, 0.017 off after 3 steps; and 0.18.9 and 0.17.6 fold each backward into the
+    momentum: 0.005 off with that left): Zero12MuonCarry has the last one run on the raw sum."""
     want = _muon_train(_muon_engine(stage, offload, gas, install=False), 3 * gas, lambda micro: False)
     _assert_same(_muon_train(_muon_engine(stage, offload, gas), 3 * gas, two_at), want)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_muon_second_backward_at_the_boundary_is_refused_without_offload(stage):
-    """DeepSpeed writes Muon's update into the partitions at each boundary epilogue; the
-    updates of two backwards are not the update of their sum (summed, 0.017 off stock after 3
-    steps), so the second backward is refused before it changes anything; after zero_grad()
-    the engine trains as stock does from the same point."""
-    trained = []
-    for install in (True, False) if DS_VERSION != "0.17.6" else (True, ):  # stock_oracle_0176
-        engine = _muon_engine(stage, install=install)
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+def test_muon_backward_dropped_by_zero_grad_leaves_no_trace(stage, offload):
+    """zero_grad() between the backwards: as in torch, the step is the second loss's alone,
+    momentum included (stock 0.18.9 and 0.17.6 keep the first backward folded into Muon's
+    momentum). The oracle never ran the dropped backward."""
+
+    def train(engine, installed):
         first, second = losses(engine(make_input("mlp_norm", 0)))
-        engine.backward(first, retain_graph=True)
-        if install:
-            with pytest.raises(NotImplementedError, match="Muon optimizer on ZeRO-1/2"):
-                engine.backward(second)
-        engine.zero_grad()
-        trained.append(_muon_train(engine, 2, lambda micro: False))
-        engine.destroy()
-    if len(trained) == 2:
-        _assert_same(*trained)
+        if installed:
+            engine.backward(first, retain_graph=True)
+            engine.zero_grad()
+        engine.backward(second)
+        engine.step()
+        return _muon_train(engine, 2, lambda micro: installed)  # then trains on as before
+
+    want = train(_muon_engine(stage, offload, install=False), installed=False)
+    _assert_same(train(_muon_engine(stage, offload), installed=True), want)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("where", ["loss", "mid_model"])
+def test_muon_backward_dying_between_two_adds_nothing(stage, where):
+    """Three backwards before step(), the second raising (in the loss, or inside the model
+    after some params were reduced): step() applies the sum of the first and third, as
+    DeepSpeed drops what a dead backward left in its buckets. Oracle: stock's one backward
+    of those two losses."""
+
+    def train(engine, installed):
+        first = losses(engine(make_input("mlp_norm", 0)))[0]
+        if installed:
+            engine.backward(first)
+            hook = make_backward_die_at(engine.module.ln) if where == "mid_model" else None
+            out = engine(make_input("mlp_norm", 1))
+            if where == "loss":
+                out = FailingBackward.apply(out)
+            with pytest.raises(ArithmeticError, match="loss backward failed"):
+                engine.backward(losses(out)[1])
+            if hook is not None:
+                hook.remove()
+        third = losses(engine(make_input("mlp_norm", 2)))[1]
+        engine.backward(third if installed else first + third)
+        engine.step()
+        return _muon_train(engine, 2, lambda micro: installed)
+
+    want = train(_muon_engine(stage, install=False), installed=False)
+    _assert_same(train(_muon_engine(stage), installed=True), want)

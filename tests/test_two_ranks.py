@@ -35,6 +35,7 @@ STALE = [sc for sc in worker.SCENARIOS if sc["kind"] == "stale"]
 AUTOGRAD_GRAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "autograd_grad"]
 DEAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead"]
 COALESCE = [sc for sc in worker.SCENARIOS if sc["kind"] == "coalesce"]
+MUON = [sc for sc in worker.SCENARIOS if sc["kind"] == "muon"]
 UNMANAGED = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and sc["install"]]
 UNMANAGED_STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and not sc["install"]]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
@@ -161,6 +162,13 @@ def _assert_matches_the_all_reduced_oracle(results, sc):
 def test_coalesced_reduction_matches_the_all_reduced_oracle(results, sc):
     """engine.coalesce_grad_reduction() around two retained backwards, or a micro-batch per
     backward: one reduction at the block's exit, the same weights as the oracle on both ranks."""
+    _assert_matches_the_all_reduced_oracle(results, sc)
+
+
+@pytest.mark.parametrize("sc", MUON, ids=_ids(MUON))
+def test_muon_two_backwards_match_stock_summed_loss(results, sc):
+    """DeepSpeed's Muon optimizer, two retained backwards per micro-step: on both ranks the
+    weights equal stock DeepSpeed's after one backward of the summed losses."""
     _assert_matches_the_all_reduced_oracle(results, sc)
 
 

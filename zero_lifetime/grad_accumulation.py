@@ -35,8 +35,10 @@ class Zero12Accumulation:
         self.grads_pending = True
 
     def grads_cleared(self) -> None:
+        """step() took the window's gradients."""
         self.grads_pending = False
         self._kept = None
+        self.carry.step_done()
 
     def backward_died(self) -> None:
         """A backward ended with an exception before its epilogue: it adds nothing.
@@ -56,8 +58,10 @@ class Zero12Accumulation:
         partitions: a micro-step before it would still reach step(), and a step() with no
         backward after it would apply them again (torch: no gradient, no update).
         """
+        self.carry.discard()
         self.grads_cleared()
         self.epilogue.forget_reduced()
 
     def restore(self) -> None:
         self._epilogue_patch.undo()
+        self.carry.restore()

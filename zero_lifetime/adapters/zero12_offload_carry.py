@@ -132,3 +132,12 @@ class Zero12OffloadCarry:
         opt.norm_for_param_grads.clear()
         opt.norm_for_param_grads.update(kept.norms)
         opt.micro_step_id = kept.micro_step_id
+
+    def step_done(self) -> None:
+        """Nothing kept past step(): the fp32 gradients are DeepSpeed's own."""
+
+    def discard(self) -> None:
+        """zero_grad() zeroes the fp32 gradients the sum lives in."""
+
+    def restore(self) -> None:
+        """No method patched."""
