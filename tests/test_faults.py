@@ -392,6 +392,29 @@ def test_install_between_a_backward_and_its_step(stage, offload):
     assert_weights_match(engine, reference)
 
 
+@pytest.mark.parametrize("then", ["step", "zero_grad"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_backward_after_an_install_between_a_backward_and_its_step(stage, then):
+    """ZeRO-1/2 without offload: install() after a boundary backward keeps its partitions for
+    step(), but another backward would drop them (or add stale ones a stock zero_grad() left:
+    no telling which). It raises before any change; then step() applies the first backward
+    alone and zero_grad() drops it, each as in torch, and training goes on like torch."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    first, second = losses(engine(make_input("mlp_norm", 0)))
+    engine.backward(first, retain_graph=True)
+    zero_lifetime.install(engine)
+    with pytest.raises(RuntimeError, match=r"install\(\) came between a backward and its step"):
+        engine.backward(second)
+    getattr(engine, then)()
+    losses(reference(make_input("mlp_norm", 0)))[0].backward()
+    if then == "step":
+        ref_opt.step()
+    ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    _plain_step(engine, reference, ref_opt, seed=1)
+    assert_weights_match(engine, reference)
+
+
 def _trained_then_destroyed(stage: int, installed: bool, policy: str):
     """A ZeRO engine after three training steps and destroy(): weak references to its model
     and (installed) to the installation, with the engine itself dropped. Installed, the steps

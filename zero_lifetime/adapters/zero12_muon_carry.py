@@ -66,10 +66,9 @@ class Zero12MuonCarry:
     def take(self, groups) -> None:
         """Before another backward: the earlier backwards' raw sum for ``groups`` (ones whose
         boundary partitions are built) goes into that backward's epilogue."""
-        missing = [g for g in groups if g not in self._seen]
-        if missing:
-            # A boundary partition built by a path we did not see: its raw gradients are gone.
-            raise RuntimeError(f"zero_lifetime: no raw gradients kept for Muon param groups {missing}")
+        missing = sorted(g for g in groups if g not in self._seen)
+        if missing:  # built where we did not see it (before install() is refused earlier)
+            raise RuntimeError(f"zero_lifetime: no raw gradients kept for DeepSpeed's Muon param groups {missing}")
         self._armed = {g: self._seen[g] for g in groups}
 
     def backward_ended(self) -> None:

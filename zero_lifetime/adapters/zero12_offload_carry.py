@@ -133,6 +133,10 @@ class Zero12OffloadCarry:
         opt.norm_for_param_grads.update(kept.norms)
         opt.micro_step_id = kept.micro_step_id
 
+    def holds_reduced_gradients(self) -> bool:
+        """install() refuses an engine whose offloaded gradients wait for step() (grad_window)."""
+        return False
+
     def step_done(self) -> None:
         """Nothing kept past step(): the fp32 gradients are DeepSpeed's own."""
 

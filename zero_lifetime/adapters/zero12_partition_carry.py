@@ -30,6 +30,10 @@ class Zero12PartitionCarry:
         muon_groups = muon_rewritten_groups(optimizer)
         self._muon = Zero12MuonCarry(optimizer, muon_groups) if muon_groups else None
 
+    def holds_reduced_gradients(self) -> bool:
+        """A boundary epilogue built partitions that no step() or zero_grad() has taken since."""
+        return any(tensors is not None for tensors in self.optimizer.averaged_gradients.values())
+
     def take(self, reached):
         """Before another backward of the same step: copies of the reduced partitions (the
         boundary epilogue rebuilt them, with zeros for a param not ``reached``)."""
