@@ -285,11 +285,11 @@ def _build_scenarios():
         # compares dtypes): without hooks each rank steps on its own gradients, stock too.
         out = [sc for sc in out if "without_hooks" not in sc["id"]]
         # 0.17.6 and 0.18.9 refuse a second backward with ZeRO-2 offload and GAS > 1 (test_retain_graph checks that).
-        # Muon at GAS 2: stock 0.17.6 keeps only the last micro-step, so it cannot be the oracle;
-        # on 0.18.9 ZeRO-2 two backwards in a non-boundary micro-step, which DeepSpeed sums
-        # itself, are 3.5e-4 off one of the summed loss after 3 steps, stock and installed alike
-        # (SGD there: equal; 0.18.9's Muon orthogonalises whole gradients whose part outside the
-        # rank's partition ZeRO-2 does not reduce, likely).
+        # Muon at GAS 2: stock 0.17.6 keeps only the last micro-step, so it cannot be the oracle.
+        # On 0.18.9 ZeRO-2 the gradient sums reaching Muon differ from the summed loss's by float
+        # rounding only (3.6e-7: two backwards add in another order), and its Newton-Schulz
+        # blows that up on this tiny model's near rank-deficient gradients: 3.5e-4 off after 3
+        # steps, stock and installed alike (SGD there: equal). No tolerance fits both.
         out = [sc for sc in out if not (sc["kind"] == "muon" and sc["gas"] > 1
                                         and (deepspeed_release() == "0.17.6" or sc["stage"] == 2))]
         out = [sc for sc in out if not (sc["id"].startswith("carry-stage2-offload") and sc.get("gas", 1) > 1)]
