@@ -4,7 +4,7 @@ At a boundary epilogue ``get_flat_partition`` turns the running sum of reduced g
 (``all_grad_tensors[g]``) of a group of params tagged ``use_muon`` into Muon's update: it
 folds the gradient into the momentum and orthogonalises the result (Newton-Schulz). That is
 not linear in the gradient, so the partitions of two backwards cannot be summed afterwards
-as for other groups (summed: 0.017 off torch after 3 steps). Instead the epilogue of a later
+as for other groups (summed: 0.017 off stock's summed loss after 3 steps). Instead the epilogue of a later
 backward gets the raw sum:
 
 - every boundary call keeps a copy of the raw gradients it is given (``muon_update``
