@@ -4,8 +4,8 @@ At a boundary epilogue ``get_flat_partition`` turns the running sum of reduced g
 (``all_grad_tensors[g]``) of a group of params tagged ``use_muon`` into Muon's update: it
 folds the gradient into the momentum and orthogonalises the result (Newton-Schulz). That is
 not linear in the gradient, so the partitions of two backwards cannot be summed afterwards
-as for other groups (summed: 0.017 off stock's summed loss after 3 steps). Instead the epilogue of a later
-backward gets the raw sum:
+as for other groups (summed: 0.017 off stock's summed loss after 3 steps). Instead the
+epilogue of a later backward gets the raw sum:
 
 - every boundary call keeps a copy of the raw gradients it is given (``muon_update``
   overwrites them in place, with nesterov) and, where the release updates the momentum
@@ -55,6 +55,7 @@ class Zero12MuonCarry:
     def __init__(self, optimizer, groups):
         self.optimizer = optimizer
         self.groups = frozenset(groups)
+        require(optimizer, _FLAT_PARTITION, "the ZeRO-1/2 boundary partition builder")
         require(optimizer, "all_grad_tensors", "the ZeRO-1/2 running gradient sums")
         require(optimizer, "param_groups", "the ZeRO-1/2 flat param groups")
         self._inner = require(optimizer, "optimizer", "the optimizer ZeRO-1/2 wraps")
