@@ -153,6 +153,19 @@ def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, gas: int = 1, *
     }
 
 
+def muon_engine(stage: int, gas: int = 1, offload: bool = False):
+    """A stock engine of mlp_norm under DeepSpeed's Muon optimizer (Muon for the matrices,
+    tagged ``use_muon``; Adam for the rest)."""
+    torch.manual_seed(0)
+    model = MODELS["mlp_norm"]()
+    for p in model.parameters():
+        p.use_muon = p.ndim == 2
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    config = dict(ds_config(stage, lr=0.01, gas=gas, **zero), optimizer={"type": "Muon", "params": {"lr": 0.01}})
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine
+
+
 def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, gas: int = 1,
               config: dict = None, **zero):
     """A DeepSpeed engine and an identical plain-torch model with its SGD optimizer.

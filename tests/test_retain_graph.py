@@ -11,8 +11,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match,
                      ds_config, full_weights, gathered_bytes, grad_and_backward, losses, make_backward_die_at,
-                     make_input, make_pair, params_saved_by_forward, reference_two_backwards, released_state,
-                     train_step, two_backwards)
+                     make_input, make_pair, muon_engine, params_saved_by_forward, reference_two_backwards,
+                     released_state, train_step, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.bench.step import PeakGathered
 
@@ -622,14 +622,7 @@ def test_param_groups_with_their_own_lr(stage, policy, offload):
 
 
 def _muon_engine(stage, offload=False, gas=1, install=True):
-    """mlp_norm under DeepSpeed's Muon optimizer (Muon for the matrices, Adam for the rest)."""
-    torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
-    for p in model.parameters():
-        p.use_muon = p.ndim == 2
-    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-    config = dict(ds_config(stage, lr=0.01, gas=gas, **zero), optimizer={"type": "Muon", "params": {"lr": 0.01}})
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine = muon_engine(stage, gas, offload)
     if install:
         zero_lifetime.install(engine)
     return engine

@@ -708,20 +708,12 @@ def _run_muon(sc, rank):
     for the rest). Installed: a retained backward of each loss in every micro-step. The oracle
     is stock DeepSpeed on the same ranks, one backward of the summed losses: Muon has no
     plain-torch twin here."""
-    import deepspeed
-    import torch
     import zero_lifetime
-    from harness import MODELS, ds_config, full_weights, losses
+    from harness import full_weights, losses, muon_engine
     from zero_lifetime.adapters.zero12_flat_buffers import detach_flat_buffers
 
     def train(install):
-        torch.manual_seed(0)
-        model = MODELS["mlp_norm"]()
-        for p in model.parameters():
-            p.use_muon = p.ndim == 2
-        config = dict(ds_config(sc["stage"], 0, lr=0.01, gas=sc["gas"]),
-                      optimizer={"type": "Muon", "params": {"lr": 0.01}})
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        engine = muon_engine(sc["stage"], sc["gas"])
         if install:
             zero_lifetime.install(engine)
         else:
