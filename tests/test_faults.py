@@ -368,13 +368,13 @@ def test_step_without_backward_fails_clearly_and_training_goes_on(stage, offload
     assert_weights_match(engine, reference)
 
 
-@pytest.mark.parametrize("stage, offload", [(1, False), (2, False), (1, True), (2, True), (3, True)],
-                         ids=["stage1", "stage2", "stage1-offload", "stage2-offload", "stage3-offload"])
+@pytest.mark.parametrize("stage, offload", [(1, False), (2, False), (3, False), (1, True), (2, True), (3, True)],
+                         ids=["stage1", "stage2", "stage3", "stage1-offload", "stage2-offload", "stage3-offload"])
 def test_install_between_a_backward_and_its_step(stage, offload):
     """With optimizer offload, where install's micro-step window would clear that backward's
     gradients at the step as stale, install refuses and patches nothing, and the step applies
-    them as stock does; ZeRO-1/2 without offload keep them installed. (ZeRO-3 without offload
-    drops them: README, Known limitations.)"""
+    them as stock does; without offload they stay for the step installed. (ZeRO-3 without
+    offload used to clear them as stale.)"""
     engine, reference, ref_opt = make_pair("mlp_norm", stage, **(OFFLOAD if offload else {}))
     engine.backward(losses(engine(make_input("mlp_norm", 0)))[0])
     losses(reference(make_input("mlp_norm", 0)))[0].backward()
@@ -393,16 +393,21 @@ def test_install_between_a_backward_and_its_step(stage, offload):
 
 
 @pytest.mark.parametrize("then", ["step", "zero_grad"])
-@pytest.mark.parametrize("stage", [1, 2])
-def test_backward_after_an_install_between_a_backward_and_its_step(stage, then):
-    """ZeRO-1/2 without offload: install() after a boundary backward keeps its partitions for
-    step(), but another backward would drop them (or add stale ones a stock zero_grad() left:
-    no telling which). It raises before any change; then step() applies the first backward
-    alone and zero_grad() drops it, each as in torch, and training goes on like torch."""
+@pytest.mark.parametrize("stage, retained", [(1, True), (2, True), (3, False)],
+                         ids=["stage1-retained", "stage2-retained", "stage3-new-forward"])
+def test_backward_after_an_install_between_a_backward_and_its_step(stage, retained, then):
+    """Without offload, install() after a backward keeps its gradients for step(), but another
+    backward would drop them (ZeRO-1/2 rebuild their partitions from it), or add to stale ones
+    a stock zero_grad() left (it clears only param.grad): no telling which. It raises before any
+    change; then step() applies the first backward alone and zero_grad() drops it, each as in
+    torch, and training goes on like torch. (On ZeRO-3 a retained graph from before install
+    cannot run: stock released its params.)"""
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     first, second = losses(engine(make_input("mlp_norm", 0)))
-    engine.backward(first, retain_graph=True)
+    engine.backward(first, retain_graph=retained)
     zero_lifetime.install(engine)
+    if not retained:
+        second = losses(engine(make_input("mlp_norm", 0)))[1]
     with pytest.raises(RuntimeError, match=r"install\(\) came between a backward and its step"):
         engine.backward(second)
     getattr(engine, then)()
@@ -412,6 +417,33 @@ def test_backward_after_an_install_between_a_backward_and_its_step(stage, then):
     ref_opt.zero_grad()
     assert_weights_match(engine, reference)
     _plain_step(engine, reference, ref_opt, seed=1)
+    assert_weights_match(engine, reference)
+
+
+def test_install_inside_a_zero3_accumulation_window():
+    """ZeRO-3, GAS 2: install() after the window's first micro-step. The next backward would add
+    to what DeepSpeed holds, which may be stale (a stock zero_grad() keeps it): it raises before
+    any change. zero_grad() drops the first micro-step; the engine's window goes on, so the next
+    backward is its boundary, and training goes on like torch."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 3, gas=2)
+    engine.backward(losses(engine(make_input("mlp_norm", 0)))[0])
+    engine.step()  # not the boundary: nothing applied
+    zero_lifetime.install(engine)
+    with pytest.raises(RuntimeError, match=r"install\(\) came between a backward and its step"):
+        engine.backward(losses(engine(make_input("mlp_norm", 1)))[0])
+    engine.zero_grad()
+    engine.backward(losses(engine(make_input("mlp_norm", 1)))[0])
+    engine.step()
+    (losses(reference(make_input("mlp_norm", 1)))[0] / 2).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    for micro in (2, 3):
+        engine.backward(losses(engine(make_input("mlp_norm", micro)))[0])
+        engine.step()
+        (losses(reference(make_input("mlp_norm", micro)))[0] / 2).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
     assert_weights_match(engine, reference)
 
 

@@ -12,13 +12,6 @@ offload the sum lives in the fp32 gradients instead; see the two carry adapters)
 from .adapters.zero12_epilogue import Zero12Epilogue
 from .adapters.zero12_partition_carry import carry_for
 
-_BACKWARD_AFTER_INSTALL_MID_STEP = (
-    "zero_lifetime: install() came between a backward and its step(), and another backward now would drop that "
-    "backward's reduced gradients (DeepSpeed rebuilds them from the running backward alone), or add stale ones a "
-    "stock zero_grad() left: the two cannot be told apart. Call engine.step() to apply them, or engine.zero_grad() "
-    "to drop them, before this backward; or install before the first backward.")
-
-
 class Zero12Accumulation:
 
     def __init__(self, optimizer):
@@ -26,15 +19,11 @@ class Zero12Accumulation:
         self.carry = carry_for(optimizer)
         self.epilogue = Zero12Epilogue(optimizer)  # 0.17.6: sums micro-steps the 0.18 way
         self.grads_pending = False  # a backward's reduced grads wait for step()
-        # A stock backward's partitions, or stale ones a stock zero_grad() left: no telling which.
-        self._reduced_before_install = self.carry.holds_reduced_gradients()
         self._kept = None  # the earlier backwards' sum, taken out of the running backward's way
         self._epilogue_patch = self.epilogue.wrap(after=self._after_epilogue)
 
     def begin_backward(self, reached) -> None:
         """``reached(param)``: did ``param`` get a gradient in this window before this backward?"""
-        if self._reduced_before_install:
-            raise RuntimeError(_BACKWARD_AFTER_INSTALL_MID_STEP)  # before any change
         # None also where DeepSpeed's own accumulators sum the backward (offload, GAS > 1).
         self._kept = self.carry.take(reached) if self.grads_pending else None  # take() refuses before any change
 
@@ -47,7 +36,6 @@ class Zero12Accumulation:
     def grads_cleared(self) -> None:
         """step() took the window's gradients."""
         self.grads_pending = False
-        self._reduced_before_install = False
         self._kept = None
         self.carry.step_done()
 

@@ -13,7 +13,7 @@ from .adapters.engine_boundary import boundary_set_by_hand
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .adapters.patching import Patches
-from .adapters.grad_window import gradients_left_for_step
+from .adapters.grad_window import gradients_left_for_step, zero3_gradients_wait_for_step
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
 from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hint_if_stale_graph,
@@ -160,7 +160,8 @@ class Installation:
                                                 on_order_mismatch=self._drop_mixed_gradients if check_bucket_order
                                                 else None)
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
-        self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable)
+        self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable,
+                                      begun_before_install=self._gradients_wait_for_step(engine.optimizer))
         self.reporter = StatsReporter(engine, self.stats)
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
@@ -179,6 +180,13 @@ class Installation:
             self._patch("scale", self._scale)
         self._patch("destroy", self._destroy)
         logger.info(SEMANTICS_NOTE)
+
+    def _gradients_wait_for_step(self, optimizer) -> bool:
+        """Did a backward before install leave gradients for a step() still to come? (With
+        optimizer offload install refused those above.)"""
+        if self.accumulation is not None:  # ZeRO-1/2
+            return self.accumulation.carry.holds_reduced_gradients()
+        return zero3_gradients_wait_for_step(optimizer)
 
     # ---- patching ---------------------------------------------------------------------
 
@@ -468,6 +476,7 @@ class Installation:
             # epilogue must not run (its epilogue would reduce empty buckets).
             self.backward.suppress_output_hooks(managers)
         else:
+            self.window.refuse_backward_if_begun_before_install()  # before any change
             self.backward.check_backward_entry()  # before anything reaches DeepSpeed
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()

@@ -16,21 +16,38 @@ stores of such params are zeroed. zero_grad() ends the window, as torch's does.
 
 from .adapters.grad_window import GradWindowAdapter
 
+BACKWARD_AFTER_INSTALL_MID_STEP = (
+    "zero_lifetime: install() came between a backward and its step() (to DeepSpeed, a torch.autograd.grad through "
+    "the engine is one too), and DeepSpeed now holds gradients that are either that backward's or stale ones a "
+    "stock engine.zero_grad() left (it clears only param.grad): the two cannot be told apart, so this backward "
+    "could not be added to them right. Before this backward, call engine.step() to apply them (at the "
+    "accumulation boundary) or engine.zero_grad() to drop them; or install before the first backward.")
+
 
 class MicroStepWindow:
 
-    def __init__(self, optimizer, stage: int, params):
+    def __init__(self, optimizer, stage: int, params, begun_before_install: bool = False):
+        """``begun_before_install``: DeepSpeed holds gradients a backward before install left for
+        step() (or stale ones a stock zero_grad() left), which no step() has taken yet."""
         self.adapter = GradWindowAdapter(optimizer, stage)
         self._params = list(params)
-        self._in_window = set()        # params with a gradient since the window began (by id)
-        self._this_backward = {}       # id -> param, for the running backward
         # Params whose stores may hold a gradient: all of them until the first step
         # (install may come after steps), then those that got one since the last.
         self._maybe_holding = {id(p) for p in self._params}
+        # Params with a gradient since the window began (by id). Which ones a backward before
+        # install reached is recorded nowhere: step() keeps every param's stores then.
+        self._in_window = set(self._maybe_holding) if begun_before_install else set()
+        self._begun_before_install = begun_before_install
+        self._this_backward = {}       # id -> param, for the running backward
         self._first_backward = True
         # On top of Zero12Accumulation's wrapper where there is one; undone in reverse.
         self._epilogue_patch = self.adapter.wrap_epilogue(self._epilogue)
         self._undo_stage1_patch = self.adapter.patch_stage1_boundary(lambda p: id(p) in self._this_backward)
+
+    def refuse_backward_if_begun_before_install(self) -> None:
+        """Called as a backward that accumulates starts, before anything changes."""
+        if self._begun_before_install:
+            raise RuntimeError(BACKWARD_AFTER_INSTALL_MID_STEP)
 
     def begin_backward(self) -> None:
         self._first_backward = self.adapter.first_backward_of_window()
@@ -65,9 +82,11 @@ class MicroStepWindow:
         """zero_grad(): what the window gathered so far is gone."""
         self.adapter.forget_window()
         self._in_window.clear()
+        self._begun_before_install = False
 
     def before_step(self) -> None:
         """At a boundary step: zero the stale stores of params with no gradient in the window."""
+        self._begun_before_install = False
         if not self.adapter.keeps_gradients_across_windows:
             return
         stale = self._maybe_holding - self._in_window  # set arithmetic: this runs every step

@@ -48,6 +48,21 @@ def gradients_left_for_step(optimizer, stage: int) -> bool:
     return bool(require(optimizer, "norm_for_param_grads", "the offloaded gradients' norms"))
 
 
+def zero3_gradients_wait_for_step(optimizer) -> bool:
+    """ZeRO-3 without offload: did a backward end (DeepSpeed's epilogue) since the last step()
+    or the optimizer's zero_grad() (which step() runs)? Its gradients then wait in the partitions
+    for the next step(). (A stock engine.zero_grad() resets neither record read here; with
+    offload, see gradients_left_for_step.)"""
+    if require(optimizer, "offload_optimizer", "the ZeRO-3 optimizer offload flag"):
+        return False
+    if require(optimizer, "micro_step_id", "the ZeRO micro-step counter") > 0:
+        return True
+    # 0.18.9 and 0.19.8 advance the micro step only at the next forward (0.17.6: in the epilogue).
+    if hasattr(optimizer, "clear_backward_seen_flag"):
+        return bool(require(optimizer, "_epilogue_ran_this_backward", "the ZeRO-3 backward-ended flag"))
+    return False
+
+
 def at_boundary(optimizer) -> bool:
     """Is the current micro-step the window's last? (ZeRO-1/2 and 3)"""
     # A method in 0.19.8; a plain attribute the engine sets before each backward in 0.17.6.
