@@ -29,6 +29,11 @@ BOOST = 1e6  # times the loss: scaled fp16 gradients far past 65504
 SCHEDULE = [None, "second", None, "first", None, "both", None]
 
 
+# A dynamic loss scale that halves at the first overflow and does not grow back in these runs.
+FP16_SECTION = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
+                "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+
+
 @contextlib.contextmanager
 def cpu_fp16_allowed():
     accelerator = get_accelerator()
@@ -42,8 +47,7 @@ def cpu_fp16_allowed():
 def config(stage: int, offload: bool, bucket: int, clip: float = 0.0, zero: dict = None):
     cfg = mt.config(stage, "zero_grad_between", offload, "fp32", bucket=bucket, clip=clip)
     cfg["zero_optimization"].update(zero or {})
-    cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
-                   "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+    cfg["fp16"] = dict(FP16_SECTION)
     return cfg
 
 

@@ -153,16 +153,20 @@ def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, gas: int = 1, *
     }
 
 
-def muon_engine(stage: int, gas: int = 1, offload: bool = False):
+def muon_engine(stage: int, gas: int = 1, offload: bool = False, fp16: bool = False):
     """A stock engine of mlp_norm under DeepSpeed's Muon optimizer (Muon for the matrices,
-    tagged ``use_muon``; Adam for the rest)."""
+    tagged ``use_muon``; Adam for the rest). ``fp16``: with a dynamic loss scale (feed it half inputs)."""
+    import fp16_scaling  # it imports this module
     torch.manual_seed(0)
     model = MODELS["mlp_norm"]()
     for p in model.parameters():
         p.use_muon = p.ndim == 2
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     config = dict(ds_config(stage, lr=0.01, gas=gas, **zero), optimizer={"type": "Muon", "params": {"lr": 0.01}})
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    if fp16:
+        config["fp16"] = dict(fp16_scaling.FP16_SECTION)
+    with fp16_scaling.cpu_fp16_allowed():
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
 
+import fp16_scaling as fp16
 import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match,
                      ds_config, full_weights, gathered_bytes, grad_and_backward, losses, make_backward_die_at,
@@ -725,3 +726,50 @@ def test_muon_backward_dying_between_two_adds_nothing(stage, where):
 
     want = train(_muon_engine(stage, install=False), installed=False)
     _assert_same(train(_muon_engine(stage), installed=True), want)
+
+
+def _muon_fp16_train(engine, two_backwards: bool, overflow_at=None, skip_at=None):
+    """Four steps on half inputs; ``overflow_at``: the step whose first loss is blown up past
+    fp16's range; ``skip_at``: the step left out, with the loss scale halved as an overflow
+    halves it. fp32 master weights, (loss scale, skipped steps)."""
+    for micro in range(4):
+        if micro == skip_at:
+            engine.optimizer.loss_scale /= 2
+            continue
+        x = make_input("mlp_norm", 100 + micro)
+        first, second = losses(engine(x.half() if engine.fp16_enabled() else x))
+        if micro == overflow_at:
+            first = first * 1e6
+        if two_backwards:
+            engine.backward(first, retain_graph=True)
+            engine.backward(second)
+        else:
+            engine.backward(first + second)
+        engine.step()
+    masters = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    return masters, fp16.scale_and_skips(engine)
+
+
+@pytest.mark.parametrize("two_backwards", [False, True], ids=["one_backward", "two_backwards"])
+@pytest.mark.parametrize("overflow_at", [None, 1], ids=["finite", "overflow"])
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_with_fp16(stage, offload, overflow_at, two_backwards):
+    """fp16 with a dynamic loss scale: two backwards reach Muon as their sum, and a step that
+    overflows changes nothing but the scale (torch's GradScaler rule), with one backward too. Oracle: stock's one
+    backward of the summed loss, where the overflowing step is left out and the scale halved
+    by hand. fp16 gradients of a sum and sums of fp16 gradients differ by rounding, which
+    Newton-Schulz magnifies: installed ends 2e-4 to 3.3e-4 off the oracle, stock's two
+    backwards 0.037 to 0.057 (0.19.8). Stock 0.18.9 and 0.17.6 without offload fold the
+    overflowing gradient into Muon's momentum: every later step overflows too."""
+    want, want_scaling = _muon_fp16_train(muon_engine(stage, offload=offload, fp16=True), False, skip_at=overflow_at)
+    engine = muon_engine(stage, offload=offload, fp16=True)
+    zero_lifetime.install(engine)
+    got, got_scaling = _muon_fp16_train(engine, two_backwards, overflow_at)
+    overflowed = overflow_at is not None
+    assert got_scaling == (want_scaling[0], int(overflowed)) == (2 ** (fp16.INITIAL_SCALE_POWER - overflowed), overflowed)
+    assert _max_diff(got, want) < 1.5e-3
+
+
+def _max_diff(got, want):
+    return max((g - w).abs().max().item() for g, w in zip(got, want))

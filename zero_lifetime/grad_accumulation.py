@@ -33,11 +33,12 @@ class Zero12Accumulation:
             self._kept = None
         self.grads_pending = True
 
-    def grads_cleared(self) -> None:
-        """step() took the window's gradients."""
+    def grads_cleared(self, step_skipped: bool = False) -> None:
+        """step() took the window's gradients; ``step_skipped``: at the boundary, without an
+        update (an fp16 overflow)."""
         self.grads_pending = False
         self._kept = None
-        self.carry.step_done()
+        self.carry.step_done(step_skipped)
 
     def backward_died(self) -> None:
         """A backward ended with an exception before its epilogue: it adds nothing.

@@ -326,7 +326,7 @@ class Installation:
                 # before each backward, and whoever does so overrides this.
                 self.engine.set_gradient_accumulation_boundary(False)
             if self.accumulation is not None:
-                self.accumulation.grads_cleared()
+                self.accumulation.grads_cleared(step_skipped=boundary and not self.engine.was_step_applied())
             if self.engine.was_step_applied():
                 self._weights_changed()
             if boundary:

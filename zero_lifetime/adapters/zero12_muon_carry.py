@@ -14,8 +14,9 @@ epilogue of a later backward gets the raw sum:
   new backward's gradients and starts again from the momentum of before the step, so Muon
   runs once on the sum of the backwards. 0.19.8 stages the momentum of each call from the
   committed one and commits it in step(), so there is nothing to put back there;
-- a backward dropped by ``zero_grad()`` leaves the momentum as it was before the step on
-  every release (stock 0.17.6 and 0.18.9 keep its fold).
+- a backward dropped by ``zero_grad()``, or a step skipped on an fp16 overflow, leaves the
+  momentum as it was before the step on every release (stock 0.17.6 and 0.18.9 keep its fold:
+  after an overflow a non-finite momentum, and every later step overflows too).
 
 The copies live from a boundary epilogue to step(): one copy of the gradients of this
 rank's Muon params (the gradients stock frees there).
@@ -77,15 +78,20 @@ class Zero12MuonCarry:
         still has the earlier sum in ``_seen``, for the next backward's ``take``."""
         self._armed = {}
 
-    def step_done(self) -> None:
-        """step() took the sum, and the momentum it left is the step's."""
+    def step_done(self, skipped: bool = False) -> None:
+        """step() took the sum, and the momentum it left is the step's; or ``skipped`` it (an
+        fp16 overflow), which leaves the optimizer state as it was (torch's GradScaler, and
+        0.19.8's staged momentum): 0.17.6 and 0.18.9 kept the overflow folded into the momentum,
+        non-finite, so that every later step overflowed too."""
+        if skipped:
+            self.discard()
         self._seen, self._armed = {}, {}
 
     def discard(self) -> None:
         """zero_grad() before step(): the backwards of the step never happened for Muon either."""
         for group, boundary in {**self._seen, **self._armed}.items():
             self._restore_momentum(group, boundary.momentum_before)
-        self.step_done()
+        self._seen, self._armed = {}, {}
 
     def restore(self) -> None:
         self._patch.undo()

@@ -137,8 +137,9 @@ class Zero12OffloadCarry:
         """install() refuses an engine whose offloaded gradients wait for step() (grad_window)."""
         return False
 
-    def step_done(self) -> None:
-        """Nothing kept past step(): the fp32 gradients are DeepSpeed's own."""
+    def step_done(self, skipped: bool = False) -> None:
+        """Nothing kept past step(): the fp32 gradients are DeepSpeed's own (and with offload Muon
+        runs inside step(), which an overflow skips whole)."""
 
     def discard(self) -> None:
         """zero_grad() zeroes the fp32 gradients the sum lives in."""

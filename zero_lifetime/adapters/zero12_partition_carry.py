@@ -60,9 +60,10 @@ class Zero12PartitionCarry:
         if self._muon is not None:
             self._muon.backward_ended()
 
-    def step_done(self) -> None:
+    def step_done(self, skipped: bool = False) -> None:
+        """``skipped``: step() ran at the boundary and skipped the update (an fp16 overflow)."""
         if self._muon is not None:
-            self._muon.step_done()
+            self._muon.step_done(skipped)
 
     def discard(self) -> None:
         """zero_grad() before step()."""
