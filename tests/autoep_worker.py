@@ -160,6 +160,7 @@ def _run(sc, rank):
     import deepspeed
     import zero_lifetime
     from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+    from harness import backward_separately_or_summed
 
     model = _model()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": sc["gas"],
@@ -174,12 +175,8 @@ def _run(sc, rank):
     if sc["install"]:
         zero_lifetime.install(engine, policy=sc["policy"] if sc["stage"] == 3 else None)
     for micro_batch in range(STEPS * sc["gas"]):  # engine.step() steps at each gas-th call
-        first, second = _losses(engine(_batch(micro_batch, rank)))
-        if sc["backwards"] == "summed":
-            engine.backward(first + second)
-        else:
-            engine.backward(first, retain_graph=True)
-            engine.backward(second)
+        backward_separately_or_summed(engine, *_losses(engine(_batch(micro_batch, rank))),
+                                      separately=sc["backwards"] != "summed")
         engine.step()
     want = _oracle_weights(sc["gas"])
     got = _params(engine)

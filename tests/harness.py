@@ -276,6 +276,16 @@ def backward_both(engine, l1, l2, path: str, zero_grad: bool):
     backward_by(engine, l2, path)
 
 
+def backward_separately_or_summed(engine, first, second, separately: bool):
+    """``separately``: engine.backward of each loss over one retained graph (what install makes
+    right); else one engine.backward of their sum (stock's way, the oracle)."""
+    if separately:
+        engine.backward(first, retain_graph=True)
+        engine.backward(second)
+    else:
+        engine.backward(first + second)
+
+
 def backward_by(engine, loss, path: str, retain_graph: bool = False):
     """One backward of ``loss`` on ``path``: "engine" (engine.backward), "manual"
     (loss.backward()) or "scale" (engine.scale(loss).backward())."""

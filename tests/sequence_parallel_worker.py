@@ -80,7 +80,7 @@ def _sequence_parallel_groups():
 def _run(sc, rank):
     import deepspeed
     import zero_lifetime
-    from harness import ds_config, full_weights
+    from harness import backward_separately_or_summed, ds_config, full_weights
 
     mpu = _sequence_parallel_groups()
     zero = {"reduce_scatter": sc["reduce_scatter"]}
@@ -98,12 +98,8 @@ def _run(sc, rank):
     for step in range(STEPS):
         x = _batch(step)
         half = SEQ // SEQUENCE_PARALLEL
-        first, second = _losses(engine(x[:, rank * half:(rank + 1) * half]), x.shape[0] * SEQ)
-        if sc["install"]:
-            engine.backward(first, retain_graph=True)
-            engine.backward(second)
-        else:
-            engine.backward(first + second)
+        backward_separately_or_summed(engine, *_losses(engine(x[:, rank * half:(rank + 1) * half]), x.shape[0] * SEQ),
+                                      separately=sc["install"])
         engine.step()
     got = full_weights(engine)
     record = {"weights": {name: w.tolist() for (name, _), w in zip(engine.module.named_parameters(), got)}}

@@ -11,7 +11,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 import fp16_scaling as fp16
 import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match,
-                     ds_config, full_weights, gathered_bytes, grad_and_backward, losses, make_backward_die_at,
+                     backward_separately_or_summed, ds_config, full_weights, gathered_bytes, grad_and_backward, losses, make_backward_die_at,
                      make_input, make_pair, muon_engine, params_saved_by_forward, reference_two_backwards,
                      released_state, train_step, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
@@ -155,12 +155,8 @@ def _bf16_offloaded_weights(stage, summed: bool):
     engine, *_ = make_pair("mlp_norm", stage, **OFFLOAD, config={"bf16": {"enabled": True}})
     zero_lifetime.install(engine)
     for step in range(3):
-        l1, l2 = losses(engine(make_input("mlp_norm", step).to(torch.bfloat16)))
-        if summed:
-            engine.backward(l1 + l2)
-        else:
-            engine.backward(l1, retain_graph=True)
-            engine.backward(l2)
+        backward_separately_or_summed(engine, *losses(engine(make_input("mlp_norm", step).to(torch.bfloat16))),
+                                      separately=not summed)
         engine.step()
     weights = full_weights(engine)
     engine.destroy()
@@ -632,12 +628,8 @@ def _muon_engine(stage, offload=False, gas=1, install=True):
 def _muon_train(engine, micro_steps, two_backwards_at):
     """``two_backwards_at(micro)``: a retained backward of each loss there, else one of their sum."""
     for micro in range(micro_steps):
-        first, second = losses(engine(make_input("mlp_norm", 100 + micro)))
-        if two_backwards_at(micro):
-            engine.backward(first, retain_graph=True)
-            engine.backward(second)
-        else:
-            engine.backward(first + second)
+        backward_separately_or_summed(engine, *losses(engine(make_input("mlp_norm", 100 + micro))),
+                                      separately=two_backwards_at(micro))
         engine.step()
     return full_weights(engine)
 
@@ -740,11 +732,7 @@ def _muon_fp16_train(engine, two_backwards: bool, overflow_at=None, skip_at=None
         first, second = losses(engine(x.half() if engine.fp16_enabled() else x))
         if micro == overflow_at:
             first = first * 1e6
-        if two_backwards:
-            engine.backward(first, retain_graph=True)
-            engine.backward(second)
-        else:
-            engine.backward(first + second)
+        backward_separately_or_summed(engine, first, second, separately=two_backwards)
         engine.step()
     masters = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
     return masters, fp16.scale_and_skips(engine)

@@ -709,7 +709,7 @@ def _run_muon(sc, rank):
     is stock DeepSpeed on the same ranks, one backward of the summed losses: Muon has no
     plain-torch twin here."""
     import zero_lifetime
-    from harness import full_weights, losses, muon_engine
+    from harness import backward_separately_or_summed, full_weights, losses, muon_engine
     from zero_lifetime.adapters.zero12_flat_buffers import detach_flat_buffers
 
     def train(install):
@@ -719,12 +719,7 @@ def _run_muon(sc, rank):
         else:
             detach_flat_buffers(engine.optimizer)  # as install does: stock 0.18.9 cannot step on 2 gloo ranks otherwise
         for micro in range(STEPS * sc["gas"]):
-            l1, l2 = losses(engine(_shard("mlp_norm", micro, rank)))
-            if install:
-                engine.backward(l1, retain_graph=True)
-                engine.backward(l2)
-            else:
-                engine.backward(l1 + l2)
+            backward_separately_or_summed(engine, *losses(engine(_shard("mlp_norm", micro, rank))), separately=install)
             engine.step()
         weights = full_weights(engine)
         names = [name for name, _ in engine.module.named_parameters()]
