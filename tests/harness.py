@@ -1,5 +1,6 @@
 """Real DeepSpeed engines and plain-torch oracles for the tests (CPU, fp32)."""
 
+import contextlib
 import copy
 import logging
 
@@ -170,7 +171,7 @@ def muon_engine(stage: int, gas: int = 1, offload: bool = False, fp16: bool = Fa
     config = dict(ds_config(stage, lr=0.01, gas=gas, **zero), optimizer={"type": "Muon", "params": {"lr": 0.01}})
     if fp16:
         config["fp16"] = dict(fp16_scaling.FP16_SECTION)
-    with fp16_scaling.cpu_fp16_allowed():
+    with fp16_scaling.cpu_fp16_allowed() if fp16 else contextlib.nullcontext():
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine
 
