@@ -34,6 +34,7 @@ BUCKET_ORDER = [sc for sc in worker.SCENARIOS if sc["kind"] == "bucket_order"]
 STALE = [sc for sc in worker.SCENARIOS if sc["kind"] == "stale"]
 AUTOGRAD_GRAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "autograd_grad"]
 DEAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead"]
+DEAD_WINDOW = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead_window"]
 COALESCE = [sc for sc in worker.SCENARIOS if sc["kind"] == "coalesce"]
 MUON = [sc for sc in worker.SCENARIOS if sc["kind"] == "muon"]
 UNMANAGED = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and sc["install"]]
@@ -229,6 +230,22 @@ def test_backward_dying_on_every_rank_then_training_goes_on(results, sc):
         if sc["stage"] == 3:
             assert record["gathered_after_step0"] == [] and record["gathered_at_end"] == [], record
             assert record["stats"]["live_handles"] == 0 and record["stats"]["pinned_params"] == 0, record["stats"]
+
+
+@pytest.mark.parametrize("sc", DEAD_WINDOW, ids=_ids(DEAD_WINDOW))
+def test_backward_dying_inside_an_accumulation_window_on_every_rank(results, sc):
+    """GAS 2: a backward dies on every rank after the window's first micro-step. ZeRO-1 keeps
+    that micro-step (each rank's unreduced sum in param.grad; the cleanup used to drop it) and
+    what the dead backward reached, as torch; dying as the closing micro-step opens, after
+    DeepSpeed's hooks moved part of the sums into its buckets, every rank refuses the next
+    backward and step() until zero_grad(). Then the weights follow the all-reduced oracle."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert record["raised"] == "loss backward failed", f"rank {rank}: {record['raised']}"
+        assert record["stats"]["failed_backwards"] == 1 + len(record.get("refused", [])[:1]), record["stats"]
+        if sc["stage"] == 1 and sc["dies"] == "opening_closing":
+            assert all(r and "closes the gradient accumulation window" in r for r in record["refused"]), record
+        bad = {n: e for n, e in record["tol_excess"].items() if not e <= ATOL}
+        assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
 
 
 @pytest.mark.parametrize("sc", MULTITASK, ids=_ids(MULTITASK))

@@ -240,6 +240,13 @@ def _build_scenarios():
     out.append(dead(3, "retained_loss", dies="autograd_grad"))
     out.append(dead(3, "retained_loss", policy="pin"))  # pinned params of both graphs: all let go
     out.append(dead(3, "new_forward", bucket="one_weight", policy="pin"))
+    # GAS 2: a backward dying on every rank after the window's first micro-step, in that
+    # micro-step or opening the closing one. ZeRO-1 holds the window's sum unreduced in each
+    # rank's param.grad; ZeRO-2 (the control) in its reduced partitions.
+    for stage in (1, 2):
+        for dies in ("first_micro_step", "opening_closing"):
+            out.append(dict(id=f"dead_window-stage{stage}-{dies}", kind="dead_window", stage=stage, dies=dies,
+                            policy="regather", offload=False))
     # DeepSpeed 0.19.8's engine.coalesce_grad_reduction(): the backwards of a block leave their
     # gradients on the params and its exit reduces them once (stock ZeRO-3 fails a retained
     # second backward in it like anywhere else).
@@ -887,6 +894,69 @@ def _run_dead(sc, rank):
     return record
 
 
+def _run_dead_window(sc, rank):
+    """GAS 2 on every rank: micro-step 1's backward, then a backward dying at the LayerNorm's
+    output (after l2's params got gradients), in micro-step 1 or opening the closing micro-step;
+    the rest of the window, then a whole one. Oracle: plain torch over the backwards that
+    completed (each loss divided by 2), averaged over the ranks; where the engine keeps what the
+    dead backward reached (ZeRO-1, dying in micro-step 1) the oracle runs the dying backward too
+    and keeps it, as torch does. ZeRO-1 dying opening the closing micro-step: the next backward
+    and step() are refused on every rank, then zero_grad() on both."""
+    import zero_lifetime
+    from harness import losses, make_backward_die_at
+
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, config={"gradient_accumulation_steps": 2})
+
+    def micro_step(step):
+        x = _shard("mlp_norm", step, rank)
+        engine.backward(losses(engine(x))[0])
+        (losses(oracle(x))[0] / 2).backward()  # DeepSpeed divides each loss by the GAS
+        engine.step()
+
+    def die(model, backward):
+        hook = make_backward_die_at(model.ln)
+        try:
+            backward(losses(model(_shard("mlp_norm", 100, rank)))[0] / 2)
+        except ArithmeticError as exc:
+            return str(exc)
+        finally:
+            hook.remove()
+        return None
+
+    record = {}
+    x = _shard("mlp_norm", 0, rank)
+    engine.backward(losses(engine(x))[0])
+    (losses(oracle(x))[0] / 2).backward()
+    if sc["dies"] == "first_micro_step":
+        record["raised"] = die(engine, lambda loss: engine.backward(loss * 2))  # the engine divides
+        if sc["stage"] == 1:
+            die(oracle, lambda loss: loss.backward())
+        engine.step()
+    else:
+        engine.step()
+        record["raised"] = die(engine, lambda loss: engine.backward(loss * 2))
+        if sc["stage"] == 1:
+            x = _shard("mlp_norm", 1, rank)
+            refused = []
+            for call in (lambda: engine.backward(losses(engine(x))[0]), engine.step):
+                try:
+                    call()
+                    refused.append(None)
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+            record["refused"] = refused
+            engine.zero_grad()
+            opt.zero_grad()
+    micro_step(1)  # closes the window
+    _oracle_step(oracle, opt)
+    micro_step(2)
+    micro_step(3)
+    _oracle_step(oracle, opt)
+    abs_diff, excess = _against_oracle(engine, oracle)
+    record.update(abs_diff=abs_diff, tol_excess=excess, stats=zero_lifetime.stats(engine))
+    return record
+
+
 def _run_multitask(sc, rank):
     import multitask as mt
     import zero_lifetime
@@ -1000,6 +1070,8 @@ def _run_scenario(sc, rank):
         return _run_autograd_grad(sc, rank)
     if sc["kind"] == "dead":
         return _run_dead(sc, rank)
+    if sc["kind"] == "dead_window":
+        return _run_dead_window(sc, rank)
     if sc["kind"] == "coalesce":
         return _run_coalesce(sc, rank)
     if sc["kind"] == "unmanaged":

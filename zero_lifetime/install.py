@@ -114,6 +114,7 @@ class Installation:
         self.tracker = None
         self.grad_guard = self.lifetime = self.fused = self.trace = self.teardown = None
         self.accumulation = self.bucket_fill = self.window = None
+        self.zero1_sums = None  # ZeRO-1: the window's sums in param.grad survive a dead backward
         self.module_hooks = None  # ours that run after DeepSpeed's, kept so when it registers its own again
         self.trl_fused_head = None  # ZeRO-3: TRL's fused LM head, told that saved params come back gathered
         self.chained = None  # undoes this engine's output division on engine outputs it is fed
@@ -162,6 +163,11 @@ class Installation:
         # Wraps the epilogue on top of Zero12Accumulation; restore() unwinds in reverse.
         self.window = MicroStepWindow(engine.optimizer, self.stage, self._trainable,
                                       begun_before_install=self._gradients_wait_for_step(engine.optimizer))
+        if self.stage == 1:
+            from .zero1_window_sums import Zero1WindowSums
+            # The engine's own count: the optimizer's flag is set by DeepSpeed's prologue, after
+            # the backward has begun.
+            self.zero1_sums = Zero1WindowSums(engine.is_gradient_accumulation_boundary)
         self.reporter = StatsReporter(engine, self.stats)
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
@@ -286,6 +292,8 @@ class Installation:
             # optimizer holds must go too, or a following backward would add to them.
             self.backward.clear_reduced_grads()
             self.window.grads_cleared()
+            if self.zero1_sums is not None:
+                self.zero1_sums.window_cleared()
             self._forget_carried_gradients()  # gone with the .grad they were in
             return result
 
@@ -299,6 +307,8 @@ class Installation:
 
         def step(*args, **kwargs):
             self.recover_if_backward_died()
+            if self.zero1_sums is not None:
+                self.zero1_sums.refuse_if_lost()
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary and self.window.adapter.offload and not self._backward_since_step:
                 # DeepSpeed would step on the fp32 gradients as they are (zeroed: torch's moments
@@ -327,6 +337,8 @@ class Installation:
                 self.engine.set_gradient_accumulation_boundary(False)
             if self.accumulation is not None:
                 self.accumulation.grads_cleared(step_skipped=boundary and not self.engine.was_step_applied())
+            if boundary and self.zero1_sums is not None:
+                self.zero1_sums.window_cleared()
             if self.engine.was_step_applied():
                 self._weights_changed()
             if boundary:
@@ -477,6 +489,9 @@ class Installation:
             self.backward.suppress_output_hooks(managers)
         else:
             self.window.refuse_backward_if_begun_before_install()  # before any change
+            if self.zero1_sums is not None:
+                self.zero1_sums.refuse_if_lost()
+                self.zero1_sums.backward_started()
             self.backward.check_backward_entry()  # before anything reaches DeepSpeed
             if self.backward.backward_finished_since_forward():
                 self.backward.start_new_micro_step()
@@ -508,6 +523,8 @@ class Installation:
         if self._accumulating:
             self._accumulating = False
             self._backward_since_step = True
+            if self.zero1_sums is not None:
+                self.zero1_sums.backward_finished()
             self.grad_guard.check_backward(self.window.params_this_backward())
 
     # ---- faults ----------------------------------------------------------------------------
@@ -550,7 +567,9 @@ class Installation:
         if accumulating:
             # A dead torch.autograd.grad reduced nothing and zeroed nothing: the gradients of
             # the backwards before it must stay as they are.
-            self.backward.discard_interrupted_reduction()
+            keep_grads = self.zero1_sums is not None and self.zero1_sums.backward_died(
+                reached_params=bool(self.window.params_this_backward()))
+            self.backward.discard_interrupted_reduction(keep_param_grads=keep_grads)
             if self.bucket_fill is not None:
                 self.bucket_fill.discard()
             if self.accumulation is not None:

@@ -35,11 +35,13 @@ class EngineBackwardBase:
         """Start the next backward from zero: ZeRO-3 resets its micro step (copy, not add)."""
         self.optimizer.zero_grad()
 
-    def discard_interrupted_reduction(self) -> None:
+    def discard_interrupted_reduction(self, keep_param_grads: bool = False) -> None:
         """Drop the gradients an interrupted backward left in the reduction buckets.
 
         Otherwise the next backward adds the same params to a bucket again (ZeRO-3
         asserts on the duplicates) and the failed step's partial gradients leak into it.
+        ``keep_param_grads``: leave param.grad (and DeepSpeed's grad_accum) as they are, where
+        they hold what the window summed (see zero1_window_sums).
         """
         optimizer = self.optimizer
         for bucket in getattr(optimizer, "ipg_buckets", {}).values():
@@ -65,8 +67,9 @@ class EngineBackwardBase:
             reduced[:] = [False] * len(reduced)
         # Drop param.grad ourselves first: ZeRO-3's zero_grad() calls record_stream on
         # a leftover grad, which fails on the CPU accelerator ("unknown parameter type").
-        for param in self.engine.module.parameters():
-            param.grad = None
+        if not keep_param_grads:
+            for param in self.engine.module.parameters():
+                param.grad = None
         # The next backward takes the dead one's micro step: ZeRO-3's zero_grad() would
         # restart the count (the next backward would overwrite what the earlier ones summed).
         micro_step_id = optimizer.micro_step_id
@@ -76,7 +79,8 @@ class EngineBackwardBase:
             # the epilogue it never reached releases both.
             micro_step_id -= 1
             optimizer._release_ipg_buffers()
-        optimizer.zero_grad()
+        if not keep_param_grads:
+            optimizer.zero_grad()
         optimizer.micro_step_id = micro_step_id
 
 
