@@ -18,6 +18,11 @@ of the model; what torch returns is the oracle:
   ``regather`` nothing stays gathered; under ``pin`` nothing stays gathered or pinned once no
   graph is alive.
 
+With ``gas`` > 1 (gradient accumulation) a step() that does not close the window changes
+nothing, torch's reference backwards each loss divided by ``gas`` and steps when the engine's
+window closes; a closing step() with no backward since the last step() may raise or apply the
+window (ZeRO-3 without offload), and must match torch either way.
+
 Used by tests/test_lifetime_programs.py (1 rank, stages 1-3, both policies).
 """
 
@@ -84,11 +89,12 @@ class Program:
     # False: ZeRO-1 with contiguous_gradients and overlap_comm off, where DeepSpeed makes no
     # gradient hooks and reduces .grad in the boundary backward's epilogue.
     gradient_hooks: bool = True
+    gas: int = 1  # gradient_accumulation_steps: step() applies every gas-th call
     log: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
         head = (f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed} "
-                f"windows={self.windows} offload={self.offload} gradient_hooks={self.gradient_hooks}")
+                f"windows={self.windows} offload={self.offload} gradient_hooks={self.gradient_hooks} gas={self.gas}")
         return head + "\n  " + "\n  ".join(self.log[-40:])
 
 
@@ -107,7 +113,7 @@ class ProgramRunner:
         if not program.gradient_hooks:
             zero.update(contiguous_gradients=False, overlap_comm=False)
         self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
-                                                              seed=program.seed, **zero)
+                                                              seed=program.seed, gas=program.gas, **zero)
         zero_lifetime.install(self.engine, policy=program.policy)
         # check_invariants collects garbage after every operation: leave what exists now (the
         # engine, its model, what earlier tests and lazy imports made) out of those collections,
@@ -121,6 +127,10 @@ class ProgramRunner:
         self.operations = 0
         self.weight_name = next(name for name, _ in self.engine.module.named_parameters())
         self.backward_since_zero_grad = False
+        self.window_may_be_lost = False  # see _note_dead_backward
+        # ZeRO-1: earlier micro-steps of the window wait, unreduced, in param.grad (set after a
+        # backward that does not close the window, as zero1_window_sums does)
+        self.window_summed = False
 
     # -- operations -------------------------------------------------------------------------
 
@@ -154,9 +164,13 @@ class ProgramRunner:
             loss_e.backward(retain_graph=retain) if manual else self.engine.backward(loss_e, retain_graph=retain)
 
         def on_reference():
-            loss_r.backward(retain_graph=retain)
+            # DeepSpeed divides a training backward by gradient_accumulation_steps (the loss in
+            # engine.backward, the outputs' gradients in loss.backward(); these losses reach the
+            # params only through the outputs, so both are the same).
+            (loss_r / self.p.gas if self.p.gas > 1 else loss_r).backward(retain_graph=retain)
 
-        self._run_both(graph, on_engine, on_reference, keeps_graph=retain)
+        if not self._run_both(graph, on_engine, on_reference, keeps_graph=retain, accumulates=True):
+            return
         if not graph.stale:
             self.backward_since_step = True
             self.backward_since_zero_grad = True
@@ -189,23 +203,56 @@ class ProgramRunner:
 
     def zero_grad(self):
         self.backward_since_zero_grad = False
+        self.window_may_be_lost = self.window_summed = False
         self.p.log.append("zero_grad")
         self.engine.zero_grad()
         self.ref_opt.zero_grad()
 
     def step(self):
-        if not self.backward_since_step:
-            self.p.log.append("step without a backward since the last step: must raise")
-            try:
-                self.engine.step()
-            except zero_lifetime.StepWithoutBackwardError:
-                pass
-            else:
-                raise AssertionError("step() with no backward since the last step did not raise")
-            assert_weights_match(self.engine, self.reference, **CLOSE)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self._step_inside_window()
             return
-        self.p.log.append("step" + ("" if self.backward_since_zero_grad else " (nothing since zero_grad)"))
+        if not self.backward_since_step:
+            self.p.log.append("step without a backward since the last step: must raise"
+                              + (" or apply the window's gradients" if self.p.gas > 1 else ""))
+            try:
+                if not self._engine_step():
+                    return
+            except zero_lifetime.StepWithoutBackwardError:
+                assert_weights_match(self.engine, self.reference, **CLOSE)
+                return
+            if self.p.gas == 1:
+                raise AssertionError("step() with no backward since the last step did not raise")
+            # GAS > 1, ZeRO-3 without offload: the window's earlier micro-steps are applied, as
+            # torch's optimizer applies what .grad holds.
+            self.p.log.append("  applied the window's gradients")
+        else:
+            self.p.log.append("step" + ("" if self.backward_since_zero_grad else " (nothing since zero_grad)"))
+            if not self._engine_step():
+                return
+        self._check_boundary_step()
+
+    def _engine_step(self) -> bool:
+        """The engine's step() at a boundary; False where it refused on a lost window."""
+        try:
+            self.engine.step()
+        except RuntimeError as error:
+            if not self._window_lost(error):
+                raise
+            assert_weights_match(self.engine, self.reference, **CLOSE)
+            return False
+        return True
+
+    def _step_inside_window(self):
+        """GAS > 1, a step() that does not close the window: nothing changes, the gradients
+        stay for the next micro-step (torch: nothing to do)."""
+        self.p.log.append("step inside the accumulation window")
         self.engine.step()
+        self.backward_since_step = False
+        assert_weights_match(self.engine, self.reference, **CLOSE)
+
+    def _check_boundary_step(self):
+        self.window_summed = False
         applied = self.engine.was_step_applied()
         skipped_by_torch = any(p.grad is None for p in self.reference.parameters())
         if applied:
@@ -225,10 +272,14 @@ class ProgramRunner:
 
     # -- shared -----------------------------------------------------------------------------
 
-    def _run_both(self, graph: Graph, on_engine, on_reference, keeps_graph: bool):
+    def _run_both(self, graph: Graph, on_engine, on_reference, keeps_graph: bool, accumulates: bool = False) -> bool:
         """Run on the reference first: where torch raises, the engine must raise as well, and
         the gradients torch accumulated before raising are taken back (the engine's dead
-        backward adds nothing on a model this small: every gradient still waits in a bucket)."""
+        backward adds nothing on a model this small: every gradient still waits in a bucket),
+        except on ZeRO-1 in a micro-step that does not close the window once an earlier one has
+        summed into param.grad: the engine keeps what the dead backward reached there, as torch.
+        Returns whether both ran."""
+        closing = self.engine.is_gradient_accumulation_boundary()
         if graph.stale_on_engine_only:
             try:
                 on_engine()
@@ -237,13 +288,21 @@ class ProgramRunner:
             else:
                 raise AssertionError("a graph saved before an applied step() ran on the engine")
             self.graphs.remove(graph)
-            return
+            self._note_dead_backward(accumulates, closing)
+            return False
         saved_grads = [None if p.grad is None else p.grad.clone() for p in self.reference.parameters()]
         try:
             on_reference()
         except RuntimeError as reference_error:
-            for p, g in zip(self.reference.parameters(), saved_grads):
-                p.grad = g
+            # ZeRO-1 keeps what a dead backward reached where param.grad already holds the
+            # window's earlier micro-steps (the two cannot be told apart), as torch does. Unless
+            # torch's last step skipped params DeepSpeed rewrote: the engine's backward then dies
+            # at the first node that saved a param, before any gradient reached a param here,
+            # and torch's later.
+            if not (accumulates and self.p.stage == 1 and not closing and self.window_summed
+                    and not graph.stale_params_skipped_by_torch):
+                for p, g in zip(self.reference.parameters(), saved_grads):
+                    p.grad = g
             try:
                 on_engine()
             except RuntimeError:
@@ -252,19 +311,45 @@ class ProgramRunner:
                 raise AssertionError(f"torch raised, the engine did not: {reference_error}")
             self.p.log.append(f"  both raised: {str(reference_error).splitlines()[0][:90]}")
             self.graphs.remove(graph)
-            return
+            self._note_dead_backward(accumulates, closing)
+            return False
         try:
             on_engine()
         except RuntimeError as error:
+            if self._window_lost(error):
+                for p, g in zip(self.reference.parameters(), saved_grads):
+                    p.grad = g
+                return False
             if not (graph.stale_params_skipped_by_torch and "modified by an inplace operation" in str(error)):
                 raise
             for p, g in zip(self.reference.parameters(), saved_grads):  # as if torch had refused too
                 p.grad = g
             self.p.log.append(f"  the engine raised, torch ran (a param its step skipped): {str(error)[:60]}")
             self.graphs.remove(graph)
-            return
+            return False
         if not keeps_graph:
             self.graphs.remove(graph)
+        if accumulates:
+            self.window_summed = not closing
+        return True
+
+    def _note_dead_backward(self, accumulates: bool, closing: bool) -> None:
+        """ZeRO-1, GAS > 1: a backward dying in the closing micro-step, after DeepSpeed's hooks
+        had moved earlier micro-steps' sums into its buckets, loses them; the engine then
+        refuses the next backward or step() until zero_grad() (zero1_window_sums)."""
+        if accumulates and self.p.stage == 1 and closing and self.window_summed:
+            self.window_may_be_lost = True
+
+    def _window_lost(self, error: RuntimeError) -> bool:
+        """The engine refused on a lost window: legitimate only after such a dead backward.
+        As a user would, drop the window on both (zero_grad) and go on."""
+        if "closes the gradient accumulation window" not in str(error):
+            return False
+        assert self.window_may_be_lost, f"refused on a lost window with no dead backward that could lose it: {error}"
+        self.p.log.append("  the engine refused: the dead backward lost part of the window; zero_grad on both")
+        self.window_may_be_lost = False
+        self.zero_grad()
+        return True
 
     def check_invariants(self):
         if self.p.stage != 3:
@@ -304,15 +389,20 @@ class ProgramRunner:
         while self.graphs:
             self.drop(self.graphs[0])
         self.check_invariants()
-        if self.backward_since_step:
-            self.step()
+        if self.backward_since_step:  # close the window: what it accumulated is compared too
+            for _ in range(self.p.gas):
+                closes = self.engine.is_gradient_accumulation_boundary()
+                self.step()
+                if closes:
+                    break
         return self
 
 
 def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int,
-                windows: str = "eager", offload: bool = False, gradient_hooks: bool = True) -> ProgramRunner:
+                windows: str = "eager", offload: bool = False, gradient_hooks: bool = True,
+                gas: int = 1) -> ProgramRunner:
     program = Program(model_name, stage, policy, seed, length, windows, offload=offload,
-                      gradient_hooks=gradient_hooks)
+                      gradient_hooks=gradient_hooks, gas=gas)
     try:
         return ProgramRunner(program).run()
     except Exception as error:

@@ -54,6 +54,17 @@ def test_random_program_with_cpu_optimizer_offload(stage, policy, model_name, se
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model_name", sorted(MODELS))
+@EVERY_STAGE_AND_POLICY
+def test_random_program_with_gradient_accumulation(stage, policy, model_name, seed):
+    """gradient_accumulation_steps 2: every second step() closes the window, the others only
+    count a micro-step; torch's reference backwards each loss divided by 2 and steps when the
+    engine's window closes, whatever the backwards, zero_grad()s and autograd.grad between."""
+    runner = run_program(model_name, stage, policy, seed, LENGTH, gas=2)
+    assert runner.forwards > 0 and runner.operations == LENGTH
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_random_program_on_stage1_without_gradient_hooks(model_name, seed):
     """ZeRO-1 with contiguous_gradients and overlap_comm off: no DeepSpeed hook takes any
     gradient, .grad accumulates until a boundary backward's epilogue reduces it."""
