@@ -462,6 +462,39 @@ def test_dead_backward_opening_the_closing_micro_step(engine_kind):
             torch.testing.assert_close(got, want.detach() - lr * dead_grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
+def test_stale_graph_dying_before_the_closing_backward_with_a_head_only_the_first_micro_step_reached(engine_kind):
+    """GAS 2, split_heads: head_b's loss in the first micro-step; in the closing one a backward
+    through a graph saved before the last step() (torch refuses it at head_a's first node, before
+    any param got a gradient), then head_a's loss. The cleanup took the dead backward for the
+    one that had readied ZeRO-1's buckets and moved the micro step back, so the closing backward
+    looked like the window's first: with offload step() zeroed head_b as a param with no
+    gradient in the window. Oracle: torch over the backwards that completed."""
+    stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
+    engine, reference, ref_opt = make_pair("split_heads", stage, gas=2, **zero)
+    zero_lifetime.install(engine)
+
+    def backward(seed, loss):
+        x = make_input("split_heads", seed)
+        engine.backward(losses(engine(x))[loss])
+        (losses(reference(x))[loss] / 2).backward()
+
+    stale = losses(engine(make_input("split_heads", 0)))[0]
+    engine.step()
+    backward(1, 0)
+    engine.step()  # closes the first window: `stale` was saved before it
+    ref_opt.step()
+    ref_opt.zero_grad()
+    backward(2, 1)
+    engine.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        engine.backward(stale)
+    backward(3, 0)
+    engine.step()
+    ref_opt.step()
+    assert_weights_match(engine, reference)
+
+
 @pytest.mark.parametrize("engine_kind", ["stage1_offload", "stage2_offload"])
 def test_dead_backward_leaves_the_clipping_norm_of_the_earlier_ones(engine_kind):
     """With CPU offload DeepSpeed records each param's gradient norm as it reduces it; the dead

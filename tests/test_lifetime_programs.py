@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from harness import MODELS
+from harness import DS_VERSION, MODELS
 from lifetime_programs import run_program
 
 _FIRST_SEED = int(os.environ.get("ZL_LIFETIME_FIRST_SEED", "0"))
@@ -54,12 +54,17 @@ def test_random_program_with_cpu_optimizer_offload(stage, policy, model_name, se
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
 @EVERY_STAGE_AND_POLICY
-def test_random_program_with_gradient_accumulation(stage, policy, model_name, seed):
+def test_random_program_with_gradient_accumulation(stage, policy, offload, model_name, seed):
     """gradient_accumulation_steps 2: every second step() closes the window, the others only
     count a micro-step; torch's reference backwards each loss divided by 2 and steps when the
-    engine's window closes, whatever the backwards, zero_grad()s and autograd.grad between."""
-    runner = run_program(model_name, stage, policy, seed, LENGTH, gas=2)
+    engine's window closes, whatever the backwards, zero_grad()s and autograd.grad between.
+    With CPU optimizer offload too (it found ZeRO-1's window record reset by a zero_grad()
+    inside the window)."""
+    if offload and stage == 2 and DS_VERSION != "0.19.8":
+        pytest.skip("a second backward in a micro-step is refused there (NotImplementedError, documented)")
+    runner = run_program(model_name, stage, policy, seed, LENGTH, offload=offload, gas=2)
     assert runner.forwards > 0 and runner.operations == LENGTH
 
 

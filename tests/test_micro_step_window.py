@@ -102,3 +102,31 @@ def test_uninstall_restores_stock_window():
     for name, function in before.items():
         assert getattr(optimizer, name) == function, name
         assert name not in optimizer.__dict__, name
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_inside_a_window_then_a_head_only_its_micro_step_reaches(stage, offload):
+    """GAS 2, split_heads: a backward, zero_grad() inside the window, then head_b's loss in that
+    micro-step and head_a's in the closing one. ZeRO-1 readies its buckets once a window and
+    releases them only at the closing epilogue; zero_grad() reset the micro step but left them
+    ready, so no later backward advanced it and each looked like the window's first. With
+    offload, step() then took head_b for a param with no gradient in the window and zeroed it
+    (0.09-0.2 off torch on 0.18.9 and 0.17.6). Oracle: torch, each loss divided by 2."""
+    from harness import assert_weights_match, losses, make_input, make_pair
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    engine, reference, ref_opt = make_pair("split_heads", stage, gas=2, **zero)
+    zero_lifetime.install(engine)
+    for seed, which in enumerate(["head_a", "zero_grad", "head_b", "step", "head_a", "step"]):
+        if which == "zero_grad":
+            engine.zero_grad()
+            ref_opt.zero_grad()
+        elif which == "step":
+            engine.step()
+        else:
+            x = make_input("split_heads", seed)
+            loss = 0 if which == "head_a" else 1
+            engine.backward(losses(engine(x))[loss])
+            (losses(reference(x))[loss] / 2).backward()
+    ref_opt.step()
+    assert_weights_match(engine, reference)

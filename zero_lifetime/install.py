@@ -488,6 +488,7 @@ class Installation:
             # epilogue must not run (its epilogue would reduce empty buckets).
             self.backward.suppress_output_hooks(managers)
         else:
+            self.backward.note_backward_start()  # first: the cleanup after a refusal below reads it
             self.window.refuse_backward_if_begun_before_install()  # before any change
             if self.zero1_sums is not None:
                 self.zero1_sums.refuse_if_lost()

@@ -25,6 +25,7 @@ class EngineBackwardBase:
         self.optimizer = engine.optimizer
         require(self.optimizer, "micro_step_id", "the ZeRO micro-step counter")
         self._zero12 = int(engine.zero_optimization_stage()) in (1, 2)
+        self._buckets_ready_at_start = False
         if self._zero12:
             require(self.optimizer, "ready_for_gradients", "the ZeRO-1/2 backward-started flag")
             require(self.optimizer, "_release_ipg_buffers", "the ZeRO-1/2 end-of-backward buffer release")
@@ -34,6 +35,13 @@ class EngineBackwardBase:
     def clear_reduced_grads(self) -> None:
         """Start the next backward from zero: ZeRO-3 resets its micro step (copy, not add)."""
         self.optimizer.zero_grad()
+
+    def note_backward_start(self) -> None:
+        """Before DeepSpeed's first hook of a backward that accumulates."""
+        # ZeRO-1 at GAS > 1 leaves its buckets ready from one micro-step to the next (it
+        # releases them in the closing epilogue only): a backward that finds them ready did
+        # not advance the micro step.
+        self._buckets_ready_at_start = self._zero12 and bool(self.optimizer.ready_for_gradients)
 
     def discard_interrupted_reduction(self, keep_param_grads: bool = False) -> None:
         """Drop the gradients an interrupted backward left in the reduction buckets.
@@ -73,10 +81,11 @@ class EngineBackwardBase:
         # The next backward takes the dead one's micro step: ZeRO-3's zero_grad() would
         # restart the count (the next backward would overwrite what the earlier ones summed).
         micro_step_id = optimizer.micro_step_id
-        if self._zero12 and optimizer.ready_for_gradients:
+        if self._zero12 and optimizer.ready_for_gradients and not self._buckets_ready_at_start:
             # The dead backward advanced the count when its first gradient came, and its
             # partition buffer is half written (the next backward would run past its end);
-            # the epilogue it never reached releases both.
+            # the epilogue it never reached releases both. (Buckets an earlier micro-step
+            # readied stay: that window goes on, or is refused until zero_grad() releases them.)
             micro_step_id -= 1
             optimizer._release_ipg_buffers()
         if not keep_param_grads:
