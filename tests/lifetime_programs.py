@@ -301,8 +301,7 @@ class ProgramRunner:
             # and torch's later.
             if not (accumulates and self.p.stage == 1 and not closing and self.window_summed
                     and not graph.stale_params_skipped_by_torch):
-                for p, g in zip(self.reference.parameters(), saved_grads):
-                    p.grad = g
+                self._restore_reference_grads(saved_grads)
             try:
                 on_engine()
             except RuntimeError:
@@ -317,13 +316,11 @@ class ProgramRunner:
             on_engine()
         except RuntimeError as error:
             if self._window_lost(error):
-                for p, g in zip(self.reference.parameters(), saved_grads):
-                    p.grad = g
+                self._restore_reference_grads(saved_grads)
                 return False
             if not (graph.stale_params_skipped_by_torch and "modified by an inplace operation" in str(error)):
                 raise
-            for p, g in zip(self.reference.parameters(), saved_grads):  # as if torch had refused too
-                p.grad = g
+            self._restore_reference_grads(saved_grads)  # as if torch had refused too
             self.p.log.append(f"  the engine raised, torch ran (a param its step skipped): {str(error)[:60]}")
             self.graphs.remove(graph)
             return False
@@ -332,6 +329,10 @@ class ProgramRunner:
         if accumulates:
             self.window_summed = not closing
         return True
+
+    def _restore_reference_grads(self, saved_grads) -> None:
+        for p, g in zip(self.reference.parameters(), saved_grads):
+            p.grad = g
 
     def _note_dead_backward(self, accumulates: bool, closing: bool) -> None:
         """ZeRO-1, GAS > 1: a backward dying in the closing micro-step, after DeepSpeed's hooks

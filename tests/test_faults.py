@@ -201,6 +201,33 @@ def test_dead_backward_keeps_the_earlier_backwards_gradients(engine_kind, then, 
     assert_weights_match(engine, reference)
 
 
+def _what_a_dying_backward_reaches(reference, gas=1):
+    """The gradients torch's dying backward (at the LayerNorm's output, as
+    make_backward_die_at(engine.module.ln)) gives each param before it raises."""
+    dead = copy.deepcopy(reference)
+    dead.zero_grad(set_to_none=True)
+    make_backward_die_at(dead.ln)
+    with pytest.raises(ArithmeticError):
+        (losses(dead(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0] / gas).backward()
+    return [p.grad for p in dead.parameters()]
+
+
+def _params_keeping_the_dead_backward(engine, reference, reached, lr):
+    """Each engine weight must be torch's after its step, or that with the dead backward's
+    gradient ``reached`` applied too (torch keeps what a dead backward reached). Returns the
+    names of the latter; the reference goes on from the engine's weights."""
+    kept = []
+    for (name, want), got, dead_grad in zip(reference.named_parameters(), full_weights(engine), reached):
+        if torch.allclose(got, want.detach(), atol=1e-5, rtol=1e-4):
+            continue
+        assert dead_grad is not None, f"{name}: moved, but the dead backward never reached it"
+        torch.testing.assert_close(got, want.detach() - lr * dead_grad, atol=1e-5, rtol=1e-4)
+        kept.append(name)
+        with torch.no_grad():
+            want.copy_(got)
+    return kept
+
+
 @pytest.mark.parametrize("then", ["zero_grad", "new_forward"])
 @pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
 def test_dead_backward_after_a_bucket_was_reduced(engine_kind, then):
@@ -213,26 +240,10 @@ def test_dead_backward_after_a_bucket_was_reduced(engine_kind, then):
     engine, reference, ref_opt, l2, r2 = _one_backward_then_a_dead_one(
         engine_kind, reduce_bucket_size=HIDDEN * OUT)
     _then(engine, reference, ref_opt, l2, r2, then)
-    lr = ref_opt.param_groups[0]["lr"]
-    # What the dead backward gave each param in torch before it raised.
-    dead = copy.deepcopy(reference)
-    dead.zero_grad(set_to_none=True)
-    make_backward_die_at(dead.ln)
-    with pytest.raises(ArithmeticError):
-        losses(dead(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0].backward()
+    reached = _what_a_dying_backward_reaches(reference)
     ref_opt.step()
     ref_opt.zero_grad()
-    kept_dead = []
-    for (name, want), got, (_, reached) in zip(reference.named_parameters(), full_weights(engine),
-                                               dead.named_parameters()):
-        if torch.allclose(got, want.detach(), atol=1e-5, rtol=1e-4):
-            continue
-        assert DEAD_BACKWARD_ENGINES[engine_kind][0] == 3 and then != "zero_grad", name
-        assert reached.grad is not None, f"{name}: moved, but the dead backward never reached it"
-        torch.testing.assert_close(got, want.detach() - lr * reached.grad, atol=1e-5, rtol=1e-4)
-        kept_dead.append(name)
-        with torch.no_grad():
-            want.copy_(got)  # go on from what ZeRO-3 kept
+    kept_dead = _params_keeping_the_dead_backward(engine, reference, reached, ref_opt.param_groups[0]["lr"])
     # ZeRO-3 reduced l2's first param before the death, and kept it (DeepSpeed's behaviour,
     # pinned so that the case above is known to run).
     assert bool(kept_dead) == (DEAD_BACKWARD_ENGINES[engine_kind][0] == 3 and then != "zero_grad"), kept_dead
@@ -316,8 +327,7 @@ def test_dead_backward_in_a_gradient_accumulation_window(engine_kind):
                     engine.backward(losses(engine(x))[0])
                 hook.remove()
                 continue  # the same micro-step, redone with the next batch
-            engine.backward(losses(engine(x))[0])
-            (losses(reference(x))[0] / 2).backward()  # DeepSpeed divides each loss by the GAS
+            _micro_step_backward(engine, reference, seed)
             engine.step()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -337,25 +347,20 @@ def _dying_backward(engine, where):
         hook.remove()
 
 
+def _micro_step_backward(engine, reference, seed, loss=0, model_name="mlp_norm"):
+    """One backward of a GAS 2 micro-step on both (DeepSpeed divides each loss by the GAS)."""
+    x = make_input(model_name, seed)
+    engine.backward(losses(engine(x))[loss])
+    (losses(reference(x))[loss] / 2).backward()
+
+
 def _accumulation_window(engine, reference, ref_opt, seed):
     """A whole GAS 2 window on both, one backward a micro-step."""
     for micro in range(2):
-        x = make_input("mlp_norm", seed + micro)
-        engine.backward(losses(engine(x))[0])
-        (losses(reference(x))[0] / 2).backward()  # DeepSpeed divides each loss by the GAS
+        _micro_step_backward(engine, reference, seed + micro)
         engine.step()
     ref_opt.step()
     ref_opt.zero_grad()
-
-
-def _what_a_dying_backward_reaches(reference, gas):
-    """The gradients torch's dying backward gives each param before it raises (mid_model)."""
-    dead = copy.deepcopy(reference)
-    dead.zero_grad(set_to_none=True)
-    make_backward_die_at(dead.ln)
-    with pytest.raises(ArithmeticError):
-        (losses(dead(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0] / gas).backward()
-    return [p.grad for p in dead.parameters()]
 
 
 @pytest.mark.parametrize("bucket", ["whole_model", "one_weight"])
@@ -382,26 +387,15 @@ def test_dead_backward_after_a_micro_step_of_the_window(engine_kind, dies, bucke
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2, **zero)
     zero_lifetime.install(engine)
     for micro in range(2):
-        x = make_input("mlp_norm", 10 + micro)
-        engine.backward(losses(engine(x))[0])
-        (losses(reference(x))[0] / 2).backward()  # DeepSpeed divides each loss by the GAS
+        _micro_step_backward(engine, reference, 10 + micro)
         if (micro == 0) == (dies == "first_micro_step"):
             _dying_backward(engine, "loss" if dies.endswith("at_the_loss") else "mid_model")
         engine.step()
     assert zero_lifetime.stats(engine)["failed_backwards"] == (0 if dies.endswith("at_the_loss") else 1)
     reached = _what_a_dying_backward_reaches(reference, gas=2)
-    lr = ref_opt.param_groups[0]["lr"]
     ref_opt.step()
     ref_opt.zero_grad()
-    kept_dead = []
-    for (name, want), got, dead_grad in zip(reference.named_parameters(), full_weights(engine), reached):
-        if torch.allclose(got, want.detach(), atol=1e-5, rtol=1e-4):
-            continue
-        assert dead_grad is not None and not dies.endswith("at_the_loss"), f"{name}: off torch"
-        torch.testing.assert_close(got, want.detach() - lr * dead_grad, atol=1e-5, rtol=1e-4)
-        kept_dead.append(name)
-        with torch.no_grad():
-            want.copy_(got)  # go on from what the engine kept
+    kept_dead = _params_keeping_the_dead_backward(engine, reference, reached, ref_opt.param_groups[0]["lr"])
     if stage == 1 and dies == "first_micro_step":
         assert kept_dead == [name for (name, _), g in zip(reference.named_parameters(), reached) if g is not None]
     else:
@@ -423,16 +417,13 @@ def test_dead_backward_opening_the_closing_micro_step(engine_kind):
     stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2, **zero)
     zero_lifetime.install(engine)
-    x = make_input("mlp_norm", 10)
-    engine.backward(losses(engine(x))[0])
-    (losses(reference(x))[0] / 2).backward()
+    _micro_step_backward(engine, reference, 10)
     engine.step()
     _dying_backward(engine, "mid_model")
-    x = make_input("mlp_norm", 11)
     if stage == 1:
         before = full_weights(engine)
         with pytest.raises(RuntimeError, match="closes the gradient accumulation window"):
-            engine.backward(losses(engine(x))[0])
+            engine.backward(losses(engine(make_input("mlp_norm", 11)))[0])
         with pytest.raises(RuntimeError, match="closes the gradient accumulation window"):
             engine.step()
         for got, want in zip(full_weights(engine), before):
@@ -440,8 +431,7 @@ def test_dead_backward_opening_the_closing_micro_step(engine_kind):
         engine.zero_grad()
         ref_opt.zero_grad()
         # The refused step() counted no micro-step: the next one still closes the window.
-        engine.backward(losses(engine(x))[0])
-        (losses(reference(x))[0] / 2).backward()
+        _micro_step_backward(engine, reference, 11)
         engine.step()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -449,17 +439,12 @@ def test_dead_backward_opening_the_closing_micro_step(engine_kind):
         _accumulation_window(engine, reference, ref_opt, seed=20)
         assert_weights_match(engine, reference)
         return
-    engine.backward(losses(engine(x))[0])
-    (losses(reference(x))[0] / 2).backward()
+    _micro_step_backward(engine, reference, 11)
     engine.step()
     reached = _what_a_dying_backward_reaches(reference, gas=2)
-    lr = ref_opt.param_groups[0]["lr"]
     ref_opt.step()
     ref_opt.zero_grad()
-    for (name, want), got, dead_grad in zip(reference.named_parameters(), full_weights(engine), reached):
-        if not torch.allclose(got, want.detach(), atol=1e-5, rtol=1e-4):
-            assert dead_grad is not None, f"{name}: off torch"
-            torch.testing.assert_close(got, want.detach() - lr * dead_grad, atol=1e-5, rtol=1e-4)
+    _params_keeping_the_dead_backward(engine, reference, reached, ref_opt.param_groups[0]["lr"])
 
 
 @pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
@@ -473,23 +458,17 @@ def test_stale_graph_dying_before_the_closing_backward_with_a_head_only_the_firs
     stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
     engine, reference, ref_opt = make_pair("split_heads", stage, gas=2, **zero)
     zero_lifetime.install(engine)
-
-    def backward(seed, loss):
-        x = make_input("split_heads", seed)
-        engine.backward(losses(engine(x))[loss])
-        (losses(reference(x))[loss] / 2).backward()
-
     stale = losses(engine(make_input("split_heads", 0)))[0]
     engine.step()
-    backward(1, 0)
+    _micro_step_backward(engine, reference, 1, model_name="split_heads")
     engine.step()  # closes the first window: `stale` was saved before it
     ref_opt.step()
     ref_opt.zero_grad()
-    backward(2, 1)
+    _micro_step_backward(engine, reference, 2, loss=1, model_name="split_heads")
     engine.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         engine.backward(stale)
-    backward(3, 0)
+    _micro_step_backward(engine, reference, 3, model_name="split_heads")
     engine.step()
     ref_opt.step()
     assert_weights_match(engine, reference)

@@ -10,7 +10,7 @@ import torch
 
 import multitask as mt
 import zero_lifetime
-from harness import BACKWARD_PATHS
+from harness import BACKWARD_PATHS, assert_weights_match, losses, make_input, make_pair
 
 STEPS = 3
 
@@ -112,8 +112,7 @@ def test_zero_grad_inside_a_window_then_a_head_only_its_micro_step_reaches(stage
     releases them only at the closing epilogue; zero_grad() reset the micro step but left them
     ready, so no later backward advanced it and each looked like the window's first. With
     offload, step() then took head_b for a param with no gradient in the window and zeroed it
-    (0.09-0.2 off torch on 0.18.9 and 0.17.6). Oracle: torch, each loss divided by 2."""
-    from harness import assert_weights_match, losses, make_input, make_pair
+    (0.09-0.2 off torch on every supported release). Oracle: torch, each loss divided by 2."""
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     engine, reference, ref_opt = make_pair("split_heads", stage, gas=2, **zero)
     zero_lifetime.install(engine)

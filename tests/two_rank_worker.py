@@ -916,7 +916,7 @@ def _run_dead_window(sc, rank):
     def die(model, backward):
         hook = make_backward_die_at(model.ln)
         try:
-            backward(losses(model(_shard("mlp_norm", 100, rank)))[0] / 2)
+            backward(losses(model(_shard("mlp_norm", 100, rank)))[0])
         except ArithmeticError as exc:
             return str(exc)
         finally:
@@ -928,13 +928,13 @@ def _run_dead_window(sc, rank):
     engine.backward(losses(engine(x))[0])
     (losses(oracle(x))[0] / 2).backward()
     if sc["dies"] == "first_micro_step":
-        record["raised"] = die(engine, lambda loss: engine.backward(loss * 2))  # the engine divides
+        record["raised"] = die(engine, engine.backward)
         if sc["stage"] == 1:
-            die(oracle, lambda loss: loss.backward())
+            die(oracle, lambda loss: (loss / 2).backward())  # DeepSpeed divides each loss by the GAS
         engine.step()
     else:
         engine.step()
-        record["raised"] = die(engine, lambda loss: engine.backward(loss * 2))
+        record["raised"] = die(engine, engine.backward)
         if sc["stage"] == 1:
             x = _shard("mlp_norm", 1, rank)
             refused = []
