@@ -23,16 +23,23 @@ nothing, torch's reference backwards each loss divided by ``gas`` and steps when
 window closes; a closing step() with no backward since the last step() may raise or apply the
 window (ZeRO-3 without offload), and must match torch either way.
 
-Used by tests/test_lifetime_programs.py (1 rank, stages 1-3, both policies).
+On several ranks (tests/two_rank_programs_worker.py) every rank runs the same program on its
+own inputs; torch's reference averages its gradients over the ranks before each step, as
+DeepSpeed reduces them, and everything else (outputs, ``autograd.grad`` results) is local.
+
+Used by tests/test_lifetime_programs.py (1 rank, stages 1-3, both policies) and
+tests/test_two_rank_programs.py (2 ranks over gloo).
 """
 
 import gc
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 import zero_lifetime
 from harness import MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
@@ -90,11 +97,13 @@ class Program:
     # gradient hooks and reduces .grad in the boundary backward's epilogue.
     gradient_hooks: bool = True
     gas: int = 1  # gradient_accumulation_steps: step() applies every gas-th call
+    lr: float = 0.1  # SGD's, on the engine and the reference
     log: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
         head = (f"program model={self.model_name} stage={self.stage} policy={self.policy} seed={self.seed} "
-                f"windows={self.windows} offload={self.offload} gradient_hooks={self.gradient_hooks} gas={self.gas}")
+                f"windows={self.windows} offload={self.offload} gradient_hooks={self.gradient_hooks} gas={self.gas} "
+                f"lr={self.lr}")
         return head + "\n  " + "\n  ".join(self.log[-40:])
 
 
@@ -112,8 +121,9 @@ class ProgramRunner:
             zero["offload_optimizer"] = {"device": "cpu"}
         if not program.gradient_hooks:
             zero.update(contiguous_gradients=False, overlap_comm=False)
-        self.engine, self.reference, self.ref_opt = make_pair(program.model_name, program.stage,
-                                                              seed=program.seed, gas=program.gas, **zero)
+        self.engine, self.reference, self.ref_opt = make_pair(
+            program.model_name, program.stage, seed=program.seed, gas=program.gas,
+            config={"optimizer": {"type": "SGD", "params": {"lr": program.lr}}}, **zero)
         zero_lifetime.install(self.engine, policy=program.policy)
         # check_invariants collects garbage after every operation: leave what exists now (the
         # engine, its model, what earlier tests and lazy imports made) out of those collections,
@@ -131,12 +141,14 @@ class ProgramRunner:
         # ZeRO-1: earlier micro-steps of the window wait, unreduced, in param.grad (set after a
         # backward that does not close the window, as zero1_window_sums does)
         self.window_summed = False
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     # -- operations -------------------------------------------------------------------------
 
     def forward(self):
         self.forwards += 1
-        seed = 1000 * self.p.seed + self.forwards
+        # Each rank its own inputs; rank 0's are those of the same program on 1 rank.
+        seed = 1000 * self.p.seed + self.forwards + 1_000_003 * self.rank
         wants_input_grad = self.p.model_name in FLOAT_INPUT_MODELS and self.rng.random() < 0.5
         no_grad = self.rng.random() < 0.15
         x_e = make_input(self.p.model_name, seed).requires_grad_(wants_input_grad)
@@ -253,6 +265,7 @@ class ProgramRunner:
 
     def _check_boundary_step(self):
         self.window_summed = False
+        self._average_reference_grads_over_ranks()
         applied = self.engine.was_step_applied()
         skipped_by_torch = any(p.grad is None for p in self.reference.parameters())
         if applied:
@@ -330,6 +343,16 @@ class ProgramRunner:
             self.window_summed = not closing
         return True
 
+    def _average_reference_grads_over_ranks(self) -> None:
+        """What DeepSpeed reduces to: each gradient's mean over the ranks (the same program on
+        every rank leaves the same params without one)."""
+        if self.world == 1:
+            return
+        for p in self.reference.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+
     def _restore_reference_grads(self, saved_grads) -> None:
         for p, g in zip(self.reference.parameters(), saved_grads):
             p.grad = g
@@ -363,11 +386,31 @@ class ProgramRunner:
         if self.p.windows != "eager":
             return
         if self.p.policy == "regather":
-            assert gathered == [], f"still gathered under regather: {gathered}"
+            assert gathered == [], f"still gathered under regather: {self._describe_params(gathered)}"
         elif not self.graphs:
+            if gathered and self.world > 1:
+                gathered = self._gathered_once_other_threads_let_go()
             stats = zero_lifetime.stats(self.engine)
-            assert gathered == [], f"gathered with no graph alive: {gathered}"
+            assert gathered == [], f"gathered with no graph alive: {self._describe_params(gathered)}; {stats}"
             assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
+
+    def _gathered_once_other_threads_let_go(self):
+        """On 2 ranks a thread that is not Python's (no Python thread but the main one runs)
+        can hold the last reference to a dropped graph's saved params for about a millisecond
+        after the drop: seen under pin (ZeRO-3, CPU offload, GAS 2, ckpt_nonreentrant) in
+        about 1 of 300 programs, the handles dying with no collection, while the main thread
+        slept (tests/probe_late_handle_release.py; the holder is not identified, see
+        docs/reliability.md). Wait for that, up to a second; a leak stays and still fails."""
+        deadline = time.monotonic() + 1.0
+        while zero_lifetime.stats(self.engine)["live_handles"] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return released_state(self.engine)[0]
+
+    def _describe_params(self, names) -> str:
+        """Each param's ZeRO-3 status and the modules DeepSpeed counts as using it."""
+        params = dict(self.engine.module.named_parameters())
+        return ", ".join(f"{name} ({params[name].ds_status.name}, active in {sorted(params[name].ds_active_sub_modules)})"
+                         for name in names)
 
     # -- driver -----------------------------------------------------------------------------
 
@@ -401,9 +444,9 @@ class ProgramRunner:
 
 def run_program(model_name: str, stage: int, policy: Optional[str], seed: int, length: int,
                 windows: str = "eager", offload: bool = False, gradient_hooks: bool = True,
-                gas: int = 1) -> ProgramRunner:
+                gas: int = 1, lr: float = 0.1) -> ProgramRunner:
     program = Program(model_name, stage, policy, seed, length, windows, offload=offload,
-                      gradient_hooks=gradient_hooks, gas=gas)
+                      gradient_hooks=gradient_hooks, gas=gas, lr=lr)
     try:
         return ProgramRunner(program).run()
     except Exception as error:
