@@ -3,7 +3,8 @@
 The figures behind docs/reliability.md's "Random programs on 2 ranks" section: random programs
 of one case (default: ZeRO-3 "pin", CPU optimizer offload, GAS 2, ckpt_nonreentrant, where it
 was seen), repeated, each check after the last graph was dropped timing how long the live
-handles took to reach 0 (lifetime_programs waits up to a second on several ranks). Not collected
+handles took to reach 0 (lifetime_programs waits up to a second on several ranks), with the
+Python threads and the process's native threads then. Not collected
 by pytest; run it as a script (about 4 minutes for the defaults):
 
     DS_ACCELERATOR=cpu python3 tests/probe_late_handle_release.py [case-id-prefix] [reps] [seeds]
@@ -24,6 +25,16 @@ import two_rank_worker  # noqa: E402
 LATE = []  # per rank process: seconds each late release took
 
 
+def _native_thread_names():
+    """Every thread of this process as the kernel names it (Python's, gloo's, torch's)."""
+    tasks = "/proc/self/task"
+    names = []
+    for task in os.listdir(tasks):
+        with open(os.path.join(tasks, task, "comm")) as comm:
+            names.append(comm.read().strip())
+    return sorted(names)
+
+
 def _timed_run(case, rank):
     import threading
 
@@ -35,7 +46,8 @@ def _timed_run(case, rank):
         def timed(self):
             started = time.perf_counter()
             gathered = wait(self)
-            LATE.append((round(time.perf_counter() - started, 4), [t.name for t in threading.enumerate()]))
+            LATE.append((round(time.perf_counter() - started, 4), [t.name for t in threading.enumerate()],
+                         _native_thread_names()))
             return gathered
         lifetime_programs.ProgramRunner._gathered_once_other_threads_let_go = timed
     before = len(LATE)
