@@ -395,11 +395,11 @@ class ProgramRunner:
             assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
 
     def _gathered_once_other_threads_let_go(self):
-        """On 2 ranks a thread that is not Python's (no Python thread but the main one runs)
-        can hold the last reference to a dropped graph's saved params for about a millisecond
-        after the drop: seen under pin (ZeRO-3, CPU offload, GAS 2, ckpt_nonreentrant) in
-        about 1 of 300 programs, the handles dying with no collection, while the main thread
-        slept (tests/probe_late_handle_release.py; the holder is not identified, see
+        """On 2 ranks gloo's worker thread can hold the last reference to a dropped graph's
+        saved params past the drop: destroying a finished all-gather's work, it waits for the
+        GIL to free a Python tensor that keeps the graph alive (caught with gdb). Seen under pin
+        (ZeRO-3, CPU offload, GAS 2, ckpt_nonreentrant) in about 1 of 100 programs, released
+        within 1-3 ms of the main thread sleeping (tests/probe_late_handle_release.py,
         docs/reliability.md). Wait for that, up to a second; a leak stays and still fails."""
         deadline = time.monotonic() + 1.0
         while zero_lifetime.stats(self.engine)["live_handles"] and time.monotonic() < deadline:
