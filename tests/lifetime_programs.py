@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 import zero_lifetime
 from harness import MODELS, TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair, released_state
+from two_rank_worker import average_over_ranks
 
 MAX_LIVE = 3
 # How the engine must match torch. A program can run torch's own training away to inf and then
@@ -346,12 +347,8 @@ class ProgramRunner:
     def _average_reference_grads_over_ranks(self) -> None:
         """What DeepSpeed reduces to: each gradient's mean over the ranks (the same program on
         every rank leaves the same params without one)."""
-        if self.world == 1:
-            return
-        for p in self.reference.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= self.world
+        if self.world > 1:
+            average_over_ranks([p.grad for p in self.reference.parameters() if p.grad is not None])
 
     def _restore_reference_grads(self, saved_grads) -> None:
         for p, g in zip(self.reference.parameters(), saved_grads):

@@ -455,18 +455,20 @@ def _allreduce_step(model, opt, sc, step, backwards, rank):
     _oracle_step(model, opt)
 
 
-def _average_over_ranks(grads):
-    """Each gradient becomes its mean over the ranks, in place (what DeepSpeed reduces to)."""
+def average_over_ranks(grads):
+    """Each gradient becomes its mean over the ranks, in place (what DeepSpeed reduces to).
+    Also lifetime_programs' reference on several ranks."""
     import torch.distributed as dist
+    world = dist.get_world_size()
     for grad in grads:
         dist.all_reduce(grad)
-        grad /= WORLD
+        grad /= world
 
 
 def _oracle_step(oracle, opt):
     """The oracle's SGD step on its gradients averaged over the ranks (a param with none,
     None on every rank alike, is left out), then zero_grad()."""
-    _average_over_ranks([p.grad for p in oracle.parameters() if p.grad is not None])
+    average_over_ranks([p.grad for p in oracle.parameters() if p.grad is not None])
     opt.step()
     opt.zero_grad()
 
@@ -850,7 +852,7 @@ def _run_dead(sc, rank):
     die(reached_model, torch.Tensor.backward)
     reached = {n: p.grad for n, p in reached_model.named_parameters()}
     # The same params got none on every rank: the graph is the same.
-    _average_over_ranks([grad for grad in reached.values() if grad is not None])
+    average_over_ranks([grad for grad in reached.values() if grad is not None])
     r1, r2 = losses(oracle(x))
     r1.backward(retain_graph=True)
     if sc["then"] == "retained_loss":
