@@ -397,7 +397,9 @@ class ProgramRunner:
         GIL to free a Python tensor that keeps the graph alive (caught with gdb). Seen under pin
         (ZeRO-3, CPU offload, GAS 2, ckpt_nonreentrant) in about 1 of 100 programs, released
         within 1-3 ms of the main thread sleeping (tests/probe_late_handle_release.py,
-        docs/reliability.md). Wait for that, up to a second; a leak stays and still fails."""
+        docs/reliability.md). The handles die on that thread; their params are released on this
+        one, by the next stats() (test_release_thread.py). Wait for that, up to a second; a leak
+        stays and still fails."""
         deadline = time.monotonic() + 1.0
         while zero_lifetime.stats(self.engine)["live_handles"] and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -245,7 +245,7 @@ class Installation:
                 if self.lifetime is None:
                     output = original(*args, **kwargs)
                 else:
-                    self.lifetime.begin()
+                    self.lifetime.begin(forward=True)
                     try:
                         with self.lifetime.saved_tensors_hooks():
                             output = original(*args, **kwargs)
@@ -307,6 +307,8 @@ class Installation:
 
         def step(*args, **kwargs):
             self.recover_if_backward_died()
+            if self.lifetime is not None:
+                self.lifetime.drain_deferred_if_idle()  # pins that died on another thread: before the step's peak
             if self.zero1_sums is not None:
                 self.zero1_sums.refuse_if_lost()
             boundary = self.engine.is_gradient_accumulation_boundary()

@@ -6,7 +6,15 @@ gathering first when DeepSpeed already released the param (policy "regather").
 Under policy "pin" a referenced param is not released at all until its last
 handle dies. A pre-AccumulateGrad hook gathers a param before its gradient lands,
 so a second backward never accumulates into an empty (numel 0) param.
+
+A handle dies on whichever thread drops a graph's last reference: on 2 ranks that can be
+gloo's worker thread, freeing a finished all-gather's tensor. DeepSpeed's param state is not
+thread-safe, so the release of a pin is only ever done on the training thread: one that dies
+elsewhere waits for that thread's next call (forward, backward, step, ``stats``).
 """
+
+import collections
+import threading
 
 import torch
 
@@ -31,8 +39,12 @@ class Zero3Lifetime:
             raise ValueError(_PIN_WITH_FAST_SHARDING)
         self.params = {p.ds_id: p for p in engine.module.parameters()}
         self._regathered = set()  # ds_ids we gathered on demand; we own their release
-        self._deferred = []  # unpinned params whose release waits for a safe point
+        # Unpinned params whose release waits for a safe point. A deque: other threads append
+        # while the training thread drains (popleft and append are atomic, a list swap is not).
+        self._deferred = collections.deque()
         self._busy = 0  # >0 while a forward or backward runs: releases are deferred then
+        self._training_thread = threading.get_ident()  # of the latest forward (at first: install)
+        self._threads_in_calls = []  # a backward's autograd thread (on CUDA) while it runs
         self.accumulate_regathers = 0
         self._hook_handles = []
         self._modules = list(engine.module.modules())
@@ -97,10 +109,17 @@ class Zero3Lifetime:
         if self._counters_consumed:
             self.zparams.restore_module_counters(self._counters_after_forward)
 
-    def begin(self) -> None:
+    def begin(self, forward: bool = False) -> None:
+        if self._busy == 0:
+            self.drain_deferred()  # pins that died on another thread since the last call
+        if forward:
+            self._training_thread = threading.get_ident()
+        self._threads_in_calls.append(threading.get_ident())
         self._busy += 1
 
     def end(self) -> None:
+        if self._threads_in_calls:  # emptied already when a failed backward was cleaned up
+            self._threads_in_calls.pop()
         self._busy -= 1
         if self._busy == 0:
             self.drain_deferred()
@@ -143,6 +162,12 @@ class Zero3Lifetime:
     # ---- release of pins -------------------------------------------------------------
 
     def _on_unpinned(self, param) -> None:
+        me = threading.get_ident()
+        if me != self._training_thread and me not in self._threads_in_calls:
+            # Not even the pin mark is touched here: DeepSpeed reads it between any two
+            # bytecodes of the training thread (a GatheredParameters context's exit, say).
+            self._deferred.append(param)
+            return
         Zero3Params.unpin(param)
         if self._busy:
             self._deferred.append(param)
@@ -150,13 +175,17 @@ class Zero3Lifetime:
             self.zparams.release(param)
 
     def drain_deferred_if_idle(self) -> None:
-        if not self._busy:
+        """From the library's calls outside forward and backward (step, ``stats``): on the
+        training thread only (``stats`` from a monitoring thread leaves them)."""
+        if not self._busy and threading.get_ident() == self._training_thread:
             self.drain_deferred()
 
     def drain_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for param in deferred:
-            if not self.tracker.is_pinned(param):
+        deferred = self._deferred
+        while deferred:
+            param = deferred.popleft()
+            if not self.tracker.is_pinned(param):  # pinned again since: that pin keeps it
+                Zero3Params.unpin(param)
                 self.zparams.release(param)
 
     # ---- recovery and teardown -------------------------------------------------------
@@ -167,6 +196,7 @@ class Zero3Lifetime:
             Zero3Params.unpin(param)
             self._deferred.append(param)
         self._busy = 0
+        self._threads_in_calls.clear()
         self.end_of_backward()
         self.drain_deferred()
 

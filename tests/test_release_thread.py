@@ -1,0 +1,117 @@
+"""A pinned param's release runs on the thread that trains, never on the thread that happened
+to drop the graph's last reference.
+
+On 2 ranks gloo's worker thread can hold that last reference: destroying a finished
+all-gather's work, it frees a Python tensor that kept a dropped graph alive, and the graph's
+saved-param handles die there (docs/reliability.md, "Random programs on 2 ranks"). DeepSpeed's
+param state is not thread-safe: a release there would change a param between any two bytecodes
+of the training thread (inside a ``GatheredParameters`` context, say). Here a Python thread
+drops the graph, deterministically, on real ZeRO-3 engines (1 rank, policy "pin").
+"""
+
+import threading
+
+import deepspeed
+import pytest
+
+import zero_lifetime
+from harness import assert_weights_match, losses, make_input, make_pair, released_state
+from zero_lifetime.adapters.zero3_params import PIN_MARK
+
+
+def _drop_on_another_thread(box: list) -> None:
+    """Drop the only reference to what ``box`` holds on a new thread, and wait for it."""
+    dropper = threading.Thread(target=box.clear)
+    dropper.start()
+    dropper.join()
+
+
+def _pinned_forward(engine, seed=0):
+    out = engine(make_input("mlp_norm", seed))
+    gathered, _ = released_state(engine)
+    assert gathered, "the forward pinned nothing: the test would prove nothing"
+    return out, gathered
+
+
+def _spy_release_threads(installation, monkeypatch) -> list:
+    """The thread of every release the lifetime asks of DeepSpeed."""
+    zparams = installation.lifetime.zparams
+    threads = []
+    original = zparams.release
+
+    def release(param):
+        threads.append(threading.get_ident())
+        return original(param)
+
+    monkeypatch.setattr(zparams, "release", release)
+    return threads
+
+
+@pytest.mark.parametrize("drained_by", ["stats", "forward", "step"])
+def test_a_graph_dropped_on_another_thread_is_released_on_the_training_thread(drained_by, monkeypatch):
+    engine, _, _ = make_pair("mlp_norm", 3)
+    threads = _spy_release_threads(zero_lifetime.install(engine, policy="pin"), monkeypatch)
+    out, pinned = _pinned_forward(engine)
+    first, second = losses(out)
+    engine.backward(first, retain_graph=True)  # step() needs a backward; the graph stays alive
+    box = [out, first, second]
+    del out, first, second
+    _drop_on_another_thread(box)
+    params = dict(engine.module.named_parameters())
+    # Untouched until this thread's next call into the library: still gathered, still marked.
+    assert released_state(engine)[0] == pinned
+    assert all(PIN_MARK in params[name].ds_active_sub_modules for name in pinned)
+    if drained_by == "stats":
+        stats = zero_lifetime.stats(engine)
+        assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
+    elif drained_by == "forward":
+        engine(make_input("mlp_norm", 1))  # no grad needed: a forward whose graph is dropped at once
+    else:
+        engine.step()
+    assert released_state(engine) == ([], [])
+    assert threads and set(threads) == {threading.get_ident()}
+    assert not any(PIN_MARK in p.ds_active_sub_modules for p in params.values())
+
+
+def test_a_gathered_parameters_context_keeps_what_it_saw_while_another_thread_drops_the_graph():
+    """The context found the pinned params gathered, so it did not gather them; a release from
+    the dropping thread would have emptied them under the reader. Still marked pinned at its exit,
+    they stay gathered there and go at this thread's next call into the library."""
+    engine, _, _ = make_pair("mlp_norm", 3)
+    zero_lifetime.install(engine, policy="pin")
+    out, pinned = _pinned_forward(engine)
+    box = [out]
+    del out
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        _drop_on_another_thread(box)
+        assert all(params[name].numel() > 0 for name in pinned)
+    assert released_state(engine)[0] == pinned
+    stats = zero_lifetime.stats(engine)
+    assert released_state(engine) == ([], [])
+    assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
+
+
+def test_training_goes_on_like_torch_when_each_graph_is_dropped_on_another_thread():
+    """Two-loss steps whose retained graph is dropped on a thread after both backwards: the
+    weights follow torch's and nothing stays gathered."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 3)
+    zero_lifetime.install(engine, policy="pin")
+    for step in range(3):
+        x = make_input("mlp_norm", step)
+        out = engine(x)
+        first, second = losses(out)
+        engine.backward(first, retain_graph=True)
+        engine.backward(second, retain_graph=True)
+        box = [out, first, second]
+        del out, first, second
+        _drop_on_another_thread(box)
+        engine.step()
+        ref_first, ref_second = losses(reference(x))
+        ref_first.backward(retain_graph=True)
+        ref_second.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert released_state(engine) == ([], [])
+    assert_weights_match(engine, reference)
+    assert zero_lifetime.stats(engine)["pinned_params"] == 0
