@@ -6,19 +6,15 @@ ZL_LIFETIME_PROGRAMS sets the number of seeds per case (CI: 10; release testing:
 ZL_LIFETIME_FIRST_SEED where they start (default 0), to run programs no earlier run has tried.
 """
 
-import os
-
 import pytest
 
 from harness import DS_VERSION, MODELS
 from lifetime_programs import run_program
+from program_cases import STAGE_AND_POLICY_IDS, STAGES_AND_POLICIES, seeds
 
-_FIRST_SEED = int(os.environ.get("ZL_LIFETIME_FIRST_SEED", "0"))
-SEEDS = range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("ZL_LIFETIME_PROGRAMS", "10")))
+SEEDS = seeds("ZL_LIFETIME_PROGRAMS", 10)
 LENGTH = 40  # operations per program
-EVERY_STAGE_AND_POLICY = pytest.mark.parametrize(
-    "stage, policy", [(1, None), (2, None), (3, "regather"), (3, "pin")],
-    ids=["stage1", "stage2", "stage3-regather", "stage3-pin"])
+EVERY_STAGE_AND_POLICY = pytest.mark.parametrize("stage, policy", STAGES_AND_POLICIES, ids=STAGE_AND_POLICY_IDS)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -8,16 +8,14 @@ the weights), gradients reduce-scattered or averaged over the ranks, dead backwa
 ZL_TWO_RANK_PROGRAMS sets the seeds per case (CI: 2); ZL_LIFETIME_FIRST_SEED where they start.
 """
 
-import os
-
 import pytest
 
 import two_rank_programs_worker as worker
 from harness import DS_VERSION, MODELS
+from program_cases import seeds
 from rank_spawn import spawn_ranks
 
-_FIRST_SEED = int(os.environ.get("ZL_LIFETIME_FIRST_SEED", "0"))
-SEEDS = range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("ZL_TWO_RANK_PROGRAMS", "2")))
+SEEDS = seeds("ZL_TWO_RANK_PROGRAMS", 2)
 LENGTH = 40  # operations per program, as on 1 rank
 CASES = worker.cases(sorted(MODELS), SEEDS, LENGTH, DS_VERSION)
 SPAWN_DEADLINE_S = 1800  # only reached when something hangs

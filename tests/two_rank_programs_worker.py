@@ -10,8 +10,7 @@ This module imports nothing heavy at the top: the parent imports it for ``cases`
 """
 
 import two_rank_worker
-
-STAGES_AND_POLICIES = [(1, None), (2, None), (3, "regather"), (3, "pin")]
+from program_cases import STAGES_AND_POLICIES
 ZERO3 = [(3, "regather"), (3, "pin")]
 VARIANTS = [  # (name, run_program's keywords, stages and policies)
     ("plain", {}, STAGES_AND_POLICIES),
