@@ -33,24 +33,24 @@ def _pinned_forward(engine, seed=0):
     return out, gathered
 
 
-def _spy_release_threads(installation, monkeypatch) -> list:
-    """The thread of every release the lifetime asks of DeepSpeed."""
+def _spy_releases(installation, monkeypatch) -> list:
+    """(thread, param) of every release the lifetime asks of DeepSpeed."""
     zparams = installation.lifetime.zparams
-    threads = []
+    releases = []
     original = zparams.release
 
     def release(param):
-        threads.append(threading.get_ident())
+        releases.append((threading.get_ident(), param))
         return original(param)
 
     monkeypatch.setattr(zparams, "release", release)
-    return threads
+    return releases
 
 
 @pytest.mark.parametrize("drained_by", ["stats", "forward", "step"])
 def test_a_graph_dropped_on_another_thread_is_released_on_the_training_thread(drained_by, monkeypatch):
     engine, _, _ = make_pair("mlp_norm", 3)
-    threads = _spy_release_threads(zero_lifetime.install(engine, policy="pin"), monkeypatch)
+    releases = _spy_releases(zero_lifetime.install(engine, policy="pin"), monkeypatch)
     out, pinned = _pinned_forward(engine)
     first, second = losses(out)
     engine.backward(first, retain_graph=True)  # step() needs a backward; the graph stays alive
@@ -65,12 +65,15 @@ def test_a_graph_dropped_on_another_thread_is_released_on_the_training_thread(dr
         stats = zero_lifetime.stats(engine)
         assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
     elif drained_by == "forward":
-        engine(make_input("mlp_norm", 1))  # no grad needed: a forward whose graph is dropped at once
+        engine(make_input("mlp_norm", 1))  # its own graph is dropped at once
     else:
         engine.step()
-    assert released_state(engine) == ([], [])
-    assert threads and set(threads) == {threading.get_ident()}
+    names = {id(p): name for name, p in params.items()}
+    assert {threading.get_ident()} == {thread for thread, _ in releases}
+    assert set(pinned) <= {names[id(param)] for _, param in releases}
     assert not any(PIN_MARK in p.ds_active_sub_modules for p in params.values())
+    if drained_by != "forward":  # 0.18.9 and 0.17.6 keep a forward's params after it, stock too
+        assert released_state(engine) == ([], [])
 
 
 def test_a_gathered_parameters_context_keeps_what_it_saw_while_another_thread_drops_the_graph():
