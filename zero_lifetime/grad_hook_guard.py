@@ -50,8 +50,8 @@ _ROOT_LEAF_MESSAGE = (
 
 class GradHookGuard:
 
-    def __init__(self, engine, stage: int):
-        self.hooks = GradHooks(engine.optimizer, stage)
+    def __init__(self, engine, hooks: GradHooks):
+        self.hooks = hooks
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
         self._managed = {id(p) for p in self.hooks.managed_params()}
         # Checked after every backward for a gradient: looked up once here, since walking the

@@ -82,7 +82,8 @@ class Installation:
         require_zero_optimizer(engine, self.stage)
         require_no_deepcompile(engine)
         boundary_set_by_hand(engine)  # probed: read after every step()
-        if GradHooks(engine.optimizer, self.stage).removed_by_destroy():  # stock destroy(), before install
+        self._grad_hooks = GradHooks(engine.optimizer, self.stage)
+        if self._grad_hooks.removed_by_destroy():  # stock destroy(), before install
             raise RuntimeError(DESTROYED_MESSAGE)
         if gradients_left_for_step(engine.optimizer, self.stage):
             raise RuntimeError(BACKWARD_BEFORE_INSTALL_MESSAGE)
@@ -133,7 +134,7 @@ class Installation:
         from .micro_step_window import MicroStepWindow
         from .tracker import make_tracker
 
-        self.grad_guard = GradHookGuard(engine, self.stage)  # refuses unmanaged params first
+        self.grad_guard = GradHookGuard(engine, self._grad_hooks)  # refuses unmanaged params first
         # A torch.autograd.grad (scope open, nothing accumulating) reduces nothing.
         self.grad_guard.run_leaf_hooks_only_when(self._pass_accumulates)
         self.module_hooks = HooksAfterDeepSpeed(engine.module, DeepSpeedModuleHooks(engine) if self.stage == 3
