@@ -201,14 +201,14 @@ def test_dead_backward_keeps_the_earlier_backwards_gradients(engine_kind, then, 
     assert_weights_match(engine, reference)
 
 
-def _what_a_dying_backward_reaches(reference, gas=1):
-    """The gradients torch's dying backward (at the LayerNorm's output, as
-    make_backward_die_at(engine.module.ln)) gives each param before it raises."""
+def _what_a_dying_backward_reaches(reference, gas=1, model_name="mlp_norm", dies_at="ln"):
+    """The gradients torch's dying backward of the first loss (at the output of module
+    ``dies_at``, as make_backward_die_at(engine.module.ln)) gives each param before it raises."""
     dead = copy.deepcopy(reference)
     dead.zero_grad(set_to_none=True)
-    make_backward_die_at(dead.ln)
+    make_backward_die_at(getattr(dead, dies_at))
     with pytest.raises(ArithmeticError):
-        (losses(dead(make_input("mlp_norm", _FAILING_INPUT_SEED)))[0] / gas).backward()
+        (losses(dead(make_input(model_name, _FAILING_INPUT_SEED)))[0] / gas).backward()
     return [p.grad for p in dead.parameters()]
 
 
@@ -445,6 +445,42 @@ def test_dead_backward_opening_the_closing_micro_step(engine_kind):
     ref_opt.step()
     ref_opt.zero_grad()
     _params_keeping_the_dead_backward(engine, reference, reached, ref_opt.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("bucket", ["whole_model", "one_weight"])
+@pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))
+def test_dead_backward_opening_the_closing_micro_step_through_a_head_the_window_had_not_reached(engine_kind, bucket):
+    """GAS 2, split_heads: head_b's loss in the first micro-step; the closing micro-step's first
+    backward, of head_a's loss, dies at the trunk's output, so it reached head_a only, a param
+    that held no sum of the window: nothing of the window moved into DeepSpeed's buckets. ZeRO-1
+    refused the window there until zero_grad() (any gradient counted); now the window goes on,
+    on every stage. Oracle: torch over the backwards that completed, a param also carrying what
+    the dead backward reached where DeepSpeed kept it."""
+    stage, zero = DEAD_BACKWARD_ENGINES[engine_kind]
+    if bucket == "one_weight":
+        zero = {**zero, "reduce_bucket_size": HIDDEN * OUT}
+    engine, reference, ref_opt = make_pair("split_heads", stage, gas=2, **zero)
+    zero_lifetime.install(engine)
+    _micro_step_backward(engine, reference, 1, loss=1, model_name="split_heads")
+    engine.step()
+    hook = make_backward_die_at(engine.module.trunk)
+    with pytest.raises(ArithmeticError, match="loss backward failed"):
+        engine.backward(losses(engine(make_input("split_heads", _FAILING_INPUT_SEED)))[0])
+    hook.remove()
+    assert zero_lifetime.stats(engine)["failed_backwards"] == 1
+    _micro_step_backward(engine, reference, 2, model_name="split_heads")
+    engine.step()
+    reached = _what_a_dying_backward_reaches(reference, gas=2, model_name="split_heads", dies_at="trunk")
+    assert [name for (name, _), g in zip(reference.named_parameters(), reached) if g is not None] == \
+        ["head_a.weight", "head_a.bias"]
+    ref_opt.step()
+    ref_opt.zero_grad()
+    _params_keeping_the_dead_backward(engine, reference, reached, ref_opt.param_groups[0]["lr"])
+    for micro in range(2):  # a whole window more
+        _micro_step_backward(engine, reference, 3 + micro, loss=micro, model_name="split_heads")
+        engine.step()
+    ref_opt.step()
+    assert_weights_match(engine, reference)
 
 
 @pytest.mark.parametrize("engine_kind", list(DEAD_BACKWARD_ENGINES))

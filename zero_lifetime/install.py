@@ -572,7 +572,7 @@ class Installation:
             # A dead torch.autograd.grad reduced nothing and zeroed nothing: the gradients of
             # the backwards before it must stay as they are.
             keep_grads = self.zero1_sums is not None and self.zero1_sums.backward_died(
-                reached_params=bool(self.window.params_this_backward()))
+                reached_window_sums=self.window.reached_window_sums())
             self.backward.discard_interrupted_reduction(keep_param_grads=keep_grads)
             if self.bucket_fill is not None:
                 self.bucket_fill.discard()

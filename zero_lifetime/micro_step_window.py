@@ -39,6 +39,7 @@ class MicroStepWindow:
         self._in_window = set(self._maybe_holding) if begun_before_install else set()
         self._begun_before_install = begun_before_install
         self._this_backward = {}       # id -> param, for the running backward
+        self._reached_window_sums = False  # the running backward reached a param the window had reached
         self._first_backward = True
         # On top of Zero12Accumulation's wrapper where there is one; undone in reverse.
         self._epilogue_patch = self.adapter.wrap_epilogue(self._epilogue)
@@ -54,6 +55,7 @@ class MicroStepWindow:
         if self._first_backward:
             self._in_window.clear()
         self._this_backward = {}
+        self._reached_window_sums = False
 
     def note_gradient(self, param) -> None:
         """A gradient for ``param`` is about to be accumulated (before DeepSpeed's hook)."""
@@ -65,7 +67,9 @@ class MicroStepWindow:
         if key in self._this_backward:
             return
         self._this_backward[key] = param
-        if key not in self._in_window:
+        if key in self._in_window:
+            self._reached_window_sums = True
+        else:
             self._in_window.add(key)
             self._maybe_holding.add(key)
             if not self._first_backward:
@@ -77,6 +81,10 @@ class MicroStepWindow:
 
     def params_this_backward(self):
         return list(self._this_backward.values())
+
+    def reached_window_sums(self) -> bool:
+        """Did the running backward reach a param that an earlier backward of the window had?"""
+        return self._reached_window_sums
 
     def grads_cleared(self) -> None:
         """zero_grad(): what the window gathered so far is gone."""

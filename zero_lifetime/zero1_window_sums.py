@@ -43,10 +43,12 @@ class Zero1WindowSums:
         # The closing epilogue reduced every param.grad; any other backward summed into it.
         self._sums_in_grads = not self._closing
 
-    def backward_died(self, reached_params: bool) -> bool:
-        """``reached_params``: gradients had reached params in the dead backward (in the closing
-        micro-step DeepSpeed's hook moves each into a bucket). (DeepSpeed's own "buckets ready"
-        flag cannot tell: at GAS > 1 ZeRO-1 leaves it set from micro-step to micro-step.)
+    def backward_died(self, reached_window_sums: bool) -> bool:
+        """``reached_window_sums``: the dead backward reached a param that an earlier backward of
+        the window had reached (in the closing micro-step DeepSpeed's hook moves that param's sum
+        into a bucket). A param the window had not reached held no sum: what the dead backward
+        moved of it is lost as on every stage, and the window is whole. (DeepSpeed's own "buckets
+        ready" flag cannot tell: at GAS > 1 ZeRO-1 leaves it set from micro-step to micro-step.)
         Returns whether the cleanup must leave param.grad (and grad_accum) as they are."""
         if self._lost:
             return False
@@ -54,8 +56,8 @@ class Zero1WindowSums:
             return False  # param.grad holds only what the dead backward reached: it adds nothing
         if not self._closing:
             return True  # what it reached stays with the sums, as in torch (the two are one tensor)
-        if not reached_params:
-            return True  # nothing moved: param.grad still holds the earlier micro-steps
+        if not reached_window_sums:
+            return True  # no sum moved: param.grad still holds the earlier micro-steps
         self._lost = True
         return False
 
