@@ -42,9 +42,10 @@ class Zero3Lifetime:
         # Unpinned params whose release waits for a safe point. A deque: other threads append
         # while the training thread drains (popleft and append are atomic, a list swap is not).
         self._deferred = collections.deque()
-        self._busy = 0  # >0 while a forward or backward runs: releases are deferred then
         self._training_thread = threading.get_ident()  # of the latest forward (at first: install)
-        self._threads_in_calls = []  # a backward's autograd thread (on CUDA) while it runs
+        # One entry per running forward or backward, its thread (a backward's is an autograd
+        # thread on CUDA): releases are deferred while any runs.
+        self._threads_in_calls = []
         self.accumulate_regathers = 0
         self._hook_handles = []
         self._modules = list(engine.module.modules())
@@ -110,18 +111,16 @@ class Zero3Lifetime:
             self.zparams.restore_module_counters(self._counters_after_forward)
 
     def begin(self, forward: bool = False) -> None:
-        if self._busy == 0:
+        if not self._threads_in_calls:
             self.drain_deferred()  # pins that died on another thread since the last call
         if forward:
             self._training_thread = threading.get_ident()
         self._threads_in_calls.append(threading.get_ident())
-        self._busy += 1
 
     def end(self) -> None:
         if self._threads_in_calls:  # emptied already when a failed backward was cleaned up
             self._threads_in_calls.pop()
-        self._busy -= 1
-        if self._busy == 0:
+        if not self._threads_in_calls:
             self.drain_deferred()
 
     # ---- backward ----------------------------------------------------------------
@@ -156,7 +155,7 @@ class Zero3Lifetime:
     def release_modules_left_in_backward(self) -> None:
         """What modules whose post-backward hook never ran still hold, released at the end of
         a backward that no forward encloses (a forward's own modules hold their params)."""
-        if self._busy == 1:
+        if len(self._threads_in_calls) == 1:
             self.zparams.release_modules_left_in_backward(self.params.values())
 
     # ---- release of pins -------------------------------------------------------------
@@ -169,7 +168,7 @@ class Zero3Lifetime:
             self._deferred.append(param)
             return
         Zero3Params.unpin(param)
-        if self._busy:
+        if self._threads_in_calls:
             self._deferred.append(param)
         else:
             self.zparams.release(param)
@@ -177,7 +176,7 @@ class Zero3Lifetime:
     def drain_deferred_if_idle(self) -> None:
         """From the library's calls outside forward and backward (step, ``stats``): on the
         training thread only (``stats`` from a monitoring thread leaves them)."""
-        if not self._busy and threading.get_ident() == self._training_thread:
+        if not self._threads_in_calls and threading.get_ident() == self._training_thread:
             self.drain_deferred()
 
     def drain_deferred(self) -> None:
@@ -195,7 +194,6 @@ class Zero3Lifetime:
         for param in self.tracker.force_unpin_all():
             Zero3Params.unpin(param)
             self._deferred.append(param)
-        self._busy = 0
         self._threads_in_calls.clear()
         self.end_of_backward()
         self.drain_deferred()
