@@ -154,10 +154,24 @@ def ds_config(stage: int, persistence: int = 0, lr: float = 0.1, gas: int = 1, *
     }
 
 
+def _newton_schulz_in_fp32() -> None:
+    """0.19.8 runs Muon's Newton-Schulz (its default method, "gram") in fp16 where the CPU has
+    it natively and in fp32 elsewhere (``ns_compute_dtype``: fp16 on an Intel Xeon with
+    AVX512-FP16, fp32 on an AMD EPYC). In fp16 it magnifies the float rounding by which two
+    backwards' summed gradients differ from one backward of the summed loss (stock two
+    backwards too: 1e-5 to 8e-5 after 3 steps, against 3e-8 in fp32), past the 1e-6 the oracle
+    tests hold, on some machines only. fp32, DeepSpeed's own fallback, makes the tests judge
+    which gradients reach Muon alike on every CPU. 0.18.9 and 0.17.6 have no such choice."""
+    from deepspeed.runtime.zero.muon import original_muon
+    if hasattr(original_muon, "ns_compute_dtype"):
+        original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+
+
 def muon_engine(stage: int, gas: int = 1, offload: bool = False, fp16: bool = False, model_name: str = "mlp_norm"):
     """A stock engine under DeepSpeed's Muon optimizer (Muon for the matrices, tagged
     ``use_muon``; Adam for the rest). ``fp16``: with a dynamic loss scale (feed it half inputs)."""
     import fp16_scaling  # it imports this module
+    _newton_schulz_in_fp32()
     # DeepSpeed 0.18.9 and 0.19.8 torch.compile muon_update, and which compiled variant a call
     # runs (one per shape, then a shape-generic one) depends on every earlier call in the process:
     # the variants round differently, and Newton-Schulz magnifies that (3e-4 after 3 steps here).
