@@ -15,6 +15,7 @@ Two protocols exist among the supported releases, told apart by probing:
 import torch
 
 from .errors import require
+from .zero12_ready_buffers import Zero12ReadyBuffers
 
 
 class EngineBackwardBase:
@@ -26,9 +27,7 @@ class EngineBackwardBase:
         require(self.optimizer, "micro_step_id", "the ZeRO micro-step counter")
         self._zero12 = int(engine.zero_optimization_stage()) in (1, 2)
         self._buckets_ready_at_start = False
-        if self._zero12:
-            require(self.optimizer, "ready_for_gradients", "the ZeRO-1/2 backward-started flag")
-            require(self.optimizer, "_release_ipg_buffers", "the ZeRO-1/2 end-of-backward buffer release")
+        self._ready_buffers = Zero12ReadyBuffers(self.optimizer) if self._zero12 else None
         if not hasattr(torch._C, "_current_graph_task_id"):
             raise RuntimeError("zero_lifetime needs torch._C._current_graph_task_id (torch >= 2.1)")
 
@@ -41,7 +40,7 @@ class EngineBackwardBase:
         # ZeRO-1 at GAS > 1 leaves its buckets ready from one micro-step to the next (it
         # releases them in the closing epilogue only): a backward that finds them ready did
         # not advance the micro step.
-        self._buckets_ready_at_start = self._zero12 and bool(self.optimizer.ready_for_gradients)
+        self._buckets_ready_at_start = self._zero12 and self._ready_buffers.ready()
 
     def discard_interrupted_reduction(self, keep_param_grads: bool = False) -> None:
         """Drop the gradients an interrupted backward left in the reduction buckets.
@@ -81,13 +80,13 @@ class EngineBackwardBase:
         # The next backward takes the dead one's micro step: ZeRO-3's zero_grad() would
         # restart the count (the next backward would overwrite what the earlier ones summed).
         micro_step_id = optimizer.micro_step_id
-        if self._zero12 and optimizer.ready_for_gradients and not self._buckets_ready_at_start:
+        if self._zero12 and self._ready_buffers.ready() and not self._buckets_ready_at_start:
             # The dead backward advanced the count when its first gradient came, and its
             # partition buffer is half written (the next backward would run past its end);
             # the epilogue it never reached releases both. (Buckets an earlier micro-step
             # readied stay: that window goes on, or is refused until zero_grad() releases them.)
             micro_step_id -= 1
-            optimizer._release_ipg_buffers()
+            self._ready_buffers.release()
         if not keep_param_grads:
             optimizer.zero_grad()
         optimizer.micro_step_id = micro_step_id

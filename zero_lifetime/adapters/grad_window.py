@@ -18,6 +18,7 @@ param as each is reduced): ``offload_window_legacy`` does that copy there.
 
 from .errors import require, unsupported_feature
 from .patching import InstancePatch, Patches, wrap_method
+from .zero12_ready_buffers import Zero12ReadyBuffers
 
 EPILOGUE = "independent_gradient_partition_epilogue"  # ends every backward, stages 1-3
 INITIAL_MICRO_STEP_ID_12 = -1  # what ZeRO-1/2's step() resets micro_step_id to
@@ -83,8 +84,7 @@ class GradWindowAdapter:
             self.offload = bool(require(optimizer, "offload_optimizer", "the ZeRO-3 optimizer offload flag"))
             self._finalizer = ("_offload_boundary_param_ids", "_finalize_offload_gradient_accumulation")
         else:
-            require(optimizer, "ready_for_gradients", "the ZeRO-1/2 backward-started flag")
-            require(optimizer, "_release_ipg_buffers", "the ZeRO-1/2 end-of-backward buffer release")
+            self._ready_buffers = Zero12ReadyBuffers(optimizer)
             self.offload = bool(require(optimizer, "cpu_offload", "the ZeRO-1/2 CPU offload flag"))
             self._finalizer = ("_offload_accumulated_param_ids", ZERO12_OFFLOAD_FINALIZER)
             if self.offload:
@@ -148,12 +148,12 @@ class GradWindowAdapter:
         starts a window (copies into the accumulators instead of adding)."""
         if self.stage != 3:  # ZeRO-3's own zero_grad() resets its micro step
             self.optimizer.micro_step_id = INITIAL_MICRO_STEP_ID_12
-            if self.optimizer.ready_for_gradients:
+            if self._ready_buffers.ready():
                 # ZeRO-1 readies its buckets once a window and releases them only at the closing
                 # epilogue: left ready, the next backward would not advance the micro step, and
                 # every backward of the window would look like its first (whose window record
                 # starts empty: with offload, step() then zeroed the earlier micro-steps' params).
-                self.optimizer._release_ipg_buffers()
+                self._ready_buffers.release()
             if self.offload:
                 # Set by any offloaded fp16 gradient that was not finite; step() would skip
                 # on it although zero_grad() dropped that gradient (ZeRO-3 checks at step()).
