@@ -16,7 +16,7 @@ import pytest
 
 import zero_lifetime
 from harness import assert_weights_match, losses, make_input, make_pair, released_state
-from zero_lifetime.adapters.zero3_params import PIN_MARK
+from zero_lifetime.adapters.zero3_params import PIN_MARK, Zero3Params
 
 
 def _drop_on_another_thread(box: list) -> None:
@@ -31,6 +31,14 @@ def _pinned_forward(engine, seed=0):
     gathered, _ = released_state(engine)
     assert gathered, "the forward pinned nothing: the test would prove nothing"
     return out, gathered
+
+
+def _installed_with_a_pinning_graph():
+    """(engine, box holding the only reference to a graph that pins params, pinned names, params)."""
+    engine, _, _ = make_pair("mlp_norm", 3)
+    zero_lifetime.install(engine, policy="pin")
+    out, pinned = _pinned_forward(engine)
+    return engine, [out], pinned, dict(engine.module.named_parameters())
 
 
 def _spy_releases(installation, monkeypatch) -> list:
@@ -80,12 +88,7 @@ def test_a_gathered_parameters_context_keeps_what_it_saw_while_another_thread_dr
     """The context found the pinned params gathered, so it did not gather them; a release from
     the dropping thread would have emptied them under the reader. Still marked pinned at its exit,
     they stay gathered there and go at this thread's next call into the library."""
-    engine, _, _ = make_pair("mlp_norm", 3)
-    zero_lifetime.install(engine, policy="pin")
-    out, pinned = _pinned_forward(engine)
-    box = [out]
-    del out
-    params = dict(engine.module.named_parameters())
+    engine, box, pinned, params = _installed_with_a_pinning_graph()
     with deepspeed.zero.GatheredParameters(list(params.values())):
         _drop_on_another_thread(box)
         assert all(params[name].numel() > 0 for name in pinned)
@@ -93,6 +96,30 @@ def test_a_gathered_parameters_context_keeps_what_it_saw_while_another_thread_dr
     stats = zero_lifetime.stats(engine)
     assert released_state(engine) == ([], [])
     assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
+
+
+def _drop_on_this_thread(box: list) -> None:
+    box.clear()
+
+
+@pytest.mark.skipif(not Zero3Params.sees_user_contexts(),
+                    reason="this DeepSpeed records no GatheredParameters context on its params (0.18.9, 0.17.6)")
+@pytest.mark.parametrize("drop", [_drop_on_another_thread, _drop_on_this_thread], ids=["other_thread", "this_thread"])
+def test_a_release_due_inside_a_gathered_parameters_context_is_left_to_its_exit(drop):
+    """The graph dies inside the context, and the training thread calls into the library there
+    (``stats`` for logging): the params the context reads keep their values until its exit, which
+    partitions them, as it does every param it holds."""
+    engine, box, _, params = _installed_with_a_pinning_graph()
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        seen = {name: p.detach().clone() for name, p in params.items()}
+        drop(box)
+        stats = zero_lifetime.stats(engine)
+        assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0, stats
+        for name, param in params.items():
+            assert param.shape == seen[name].shape and param.equal(seen[name]), name
+    assert released_state(engine) == ([], [])
+    assert not any(PIN_MARK in p.ds_active_sub_modules for p in params.values())
+    assert zero_lifetime.stats(engine)["gathered_params"] == 0
 
 
 def test_training_goes_on_like_torch_when_each_graph_is_dropped_on_another_thread():

@@ -167,10 +167,17 @@ class Zero3Lifetime:
             # bytecodes of the training thread (a GatheredParameters context's exit, say).
             self._deferred.append(param)
             return
-        Zero3Params.unpin(param)
         if self._threads_in_calls:
+            Zero3Params.unpin(param)
             self._deferred.append(param)
         else:
+            self._release_unpinned(param)
+
+    def _release_unpinned(self, param) -> None:
+        Zero3Params.unpin(param)
+        # A user's GatheredParameters context reads it (it found the param gathered, so it did
+        # not gather it): the context's exit partitions it, now that no pin keeps it.
+        if not self.zparams.in_user_context(param):
             self.zparams.release(param)
 
     def drain_deferred_if_idle(self) -> None:
@@ -184,8 +191,7 @@ class Zero3Lifetime:
         while deferred:
             param = deferred.popleft()
             if not self.tracker.is_pinned(param):  # pinned again since: that pin keeps it
-                Zero3Params.unpin(param)
-                self.zparams.release(param)
+                self._release_unpinned(param)
 
     # ---- recovery and teardown -------------------------------------------------------
 

@@ -1,8 +1,13 @@
 """ZeRO-3 parameter gather/release: the coordinator and the parameter attributes."""
 
+from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from .errors import require
+
+# 0.19.8 counts, on each param, the GatheredParameters contexts holding it; 0.18.9 and 0.17.6
+# record nothing (None): there a context is invisible to us.
+_USER_CONTEXT_DEPTH = getattr(partition_parameters, "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", None)
 
 # Added to ``param.ds_active_sub_modules`` while a param is pinned: DeepSpeed's
 # coordinator never releases a param whose active-module set is non-empty, so the
@@ -63,6 +68,17 @@ class Zero3Params:
             return False
         getattr(self.coordinator(), _RELEASE)(param)
         return param.ds_status != self.AVAILABLE
+
+    @staticmethod
+    def sees_user_contexts() -> bool:
+        """Whether this DeepSpeed records which params a GatheredParameters context holds."""
+        return _USER_CONTEXT_DEPTH is not None
+
+    @staticmethod
+    def in_user_context(param) -> bool:
+        """``param`` is inside a user's GatheredParameters context, which partitions it at its
+        exit; False where DeepSpeed does not record it (0.18.9, 0.17.6)."""
+        return _USER_CONTEXT_DEPTH is not None and getattr(param, _USER_CONTEXT_DEPTH, 0) > 0
 
     def release_regathered(self, param) -> bool:
         """Release a param we gathered ourselves outside the coordinator (``all_gather``)."""
