@@ -1111,7 +1111,7 @@ def run_rank(rank, out_dir, port, scenarios, run_one):
             except BaseException:  # noqa: BLE001 - every failure is a result for the parent
                 record = {"error": traceback.format_exc(limit=-8)}
             gc.collect()
-            gc.freeze()  # what outlives the scenario: out of later collections (conftest.pytest_runtest_teardown)
+            gc.freeze()  # what outlives the scenario: out of later collections (conftest.pytest_runtest_protocol)
             record.update(id=sc["id"], rank=rank, seconds=round(time.perf_counter() - started, 3))
             results.write(json.dumps(record) + "\n")
             results.flush()
