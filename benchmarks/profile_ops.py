@@ -11,6 +11,12 @@ torch.ops, and the roofline ``dst.copy_(src)`` of the same bytes), side by side 
 * kernel: the device time of the call's kernels from ``torch.profiler`` (CUDA activity),
   median over 20 calls.
 
+On CUDA, a same-dtype case of at most 64 segments also runs a fourth way, "memcpy": the
+direct entry with ``ops.set_cuda_memcpy_segment_bytes(0)``, so the plan runs as one
+``cudaMemcpyAsync`` per segment instead of the kernel (the A/B that decides that setting's
+default). Each fused way sets the route it needs before its call (one setter call, ~0.5 us
+of host time, for "direct", "memcpy" and "dispatcher" alike).
+
 On CUDA (the default) it needs a GPU and the extension's CUDA kernels. On CPU there is no
 separate kernel time, and host time is the whole time of a call.
 """
@@ -37,18 +43,28 @@ CASES = [  # (kind, tensors, elements each, source dtype)
 ]
 
 
+NEVER = 2**63 - 1  # ops.set_cuda_memcpy_segment_bytes: the kernel always
+MEMCPY_MAX_SEGMENTS = 64  # kMaxMemcpySegments in csrc/ops/copy_plan.h
+
+
+def routed(fn, memcpy_segment_bytes):
+    """``fn`` after setting the CUDA memcpy route it is measured with."""
+    def call():
+        ops.set_cuda_memcpy_segment_bytes(memcpy_segment_bytes)
+        fn()
+    return call
+
+
 def make_case(kind, n, numel, dtype, device):
     if kind == "fill":
         grads = [torch.randn(numel, device=device).to(dtype) for _ in range(n)]
         offsets = [i * numel for i in range(n)]
         buffer = torch.empty(n * numel, device=device)
         flat = torch.randn(n * numel, device=device).to(dtype)
-        calls = {
-            "direct": lambda: ops.bucket_fill(buffer, grads, offsets),
-            "dispatcher": lambda: torch.ops.zero_lifetime.bucket_fill(buffer, grads, offsets, 1.0),
-            "roofline": lambda: buffer.copy_(flat),
-        }
-        nbytes = n * numel * (dtype.itemsize + 4)
+        fused = lambda: ops.bucket_fill(buffer, grads, offsets)
+        dispatcher = lambda: torch.ops.zero_lifetime.bucket_fill(buffer, grads, offsets, 1.0)
+        roofline = lambda: buffer.copy_(flat)
+        nbytes, segments, same_dtype = n * numel * (dtype.itemsize + 4), n, dtype == torch.float32
     else:
         world = 2
         shard = -(-numel // world)
@@ -56,12 +72,16 @@ def make_case(kind, n, numel, dtype, device):
         out = torch.empty(n * numel, device=device, dtype=dtype)
         shards, numels = [shard] * n, [numel] * n
         src = gathered.narrow(0, 0, out.numel())
-        calls = {
-            "direct": lambda: ops.gather_copy_out(gathered, out, shards, numels, world),
-            "dispatcher": lambda: torch.ops.zero_lifetime.gather_copy_out(gathered, out, shards, numels, world),
-            "roofline": lambda: out.copy_(src),
-        }
-        nbytes = 2 * out.numel() * out.element_size()
+        fused = lambda: ops.gather_copy_out(gathered, out, shards, numels, world)
+        dispatcher = lambda: torch.ops.zero_lifetime.gather_copy_out(gathered, out, shards, numels, world)
+        roofline = lambda: out.copy_(src)
+        nbytes, segments, same_dtype = 2 * out.numel() * out.element_size(), world * n, True
+    if device != "cuda":  # the route is CUDA's only
+        return {"direct": fused, "dispatcher": dispatcher, "roofline": roofline}, nbytes
+    calls = {"direct": routed(fused, NEVER)}
+    if same_dtype and segments <= MEMCPY_MAX_SEGMENTS:
+        calls["memcpy"] = routed(fused, 0)
+    calls.update(dispatcher=routed(dispatcher, NEVER), roofline=roofline)
     return calls, nbytes
 
 
@@ -121,6 +141,7 @@ def main():
     else:
         sync, device_name = (lambda: None), f"CPU, {torch.get_num_threads()} threads"
     print(f"{device_name}, torch {torch.__version__}")
+    default_route = ops.cuda_memcpy_segment_bytes()
     rows = []
     header = f"{'case':<34}{'way':<11}{'wall us':>9}{'host us':>9}{'kernel us':>10}{'GB/s':>8}{'vs roof':>8}"
     print(header)
@@ -139,8 +160,11 @@ def main():
             print(f"{case:<34}{name:<11}{wall[name] * 1e6:>9.1f}{host * 1e6:>9.1f}{kernel * 1e6:>10.1f}"
                   f"{nbytes / wall[name] / 1e9:>8.0f}{row['wall_vs_roofline']:>7.2f}x")
         if args.device == "cuda":
-            print(f"{'':<34}kernels: {rows[-3]['kernels']}")
+            for row in rows[-len(calls):]:
+                if row["way"] in ("direct", "memcpy"):
+                    print(f"{'':<34}{row['way']}: {row['kernels']}")
             torch.cuda.empty_cache()
+    ops.set_cuda_memcpy_segment_bytes(default_route)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)

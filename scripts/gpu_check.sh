@@ -5,7 +5,8 @@
 #   setup     install carried wheels (./.whl, made here by scripts/gpu_wheels.sh: DeepSpeed and its deps),
 #             build zero_lifetime._C with the CUDA kernels in place
 #   bench     python -m zero_lifetime.bench all --device cuda (issue 4's GPU figures), then the
-#             kernel bench, where the time of one fused-op call goes (benchmarks/profile_ops.py)
+#             kernel bench, where the time of one fused-op call goes (benchmarks/profile_ops.py,
+#             with the cudaMemcpyAsync route beside the kernel for few large segments)
 #             and the host's share of install's step overhead
 #   tests_cuda  only what runs on the GPU: each kernel path once, the CUDA op tests and fuzz,
 #             the CUDA engine scenarios (CI runs everything else)

@@ -12,7 +12,8 @@ synccheck within one device call; this covers the same kernel paths in seconds:
   (after odd-sized segments) and unaligned sources (a storage offset of one element);
 * every source/destination dtype pair, the bit copy (same dtype, scale 1) and a scaled cast;
 * empty and non-contiguous sources (planned as contiguous copies);
-* gather_copy_out with 1, 2 and 3 ranks and padded shards.
+* gather_copy_out with 1, 2 and 3 ranks and padded shards;
+* the cudaMemcpyAsync route (ops.set_cuda_memcpy_segment_bytes) for a fill and a gather.
 
 Destinations start as a sentinel, so a gap left unwritten or a write past a range shows, and
 initcheck sees no read of uninitialized memory in the comparison.
@@ -153,9 +154,35 @@ def gather_cases(device: str) -> Iterator[Case]:
     yield "gather table world 2", gather_case(device, 2, many, torch.float32, torch.float32, seed=80)
 
 
+def with_memcpy_route(run):
+    """``run`` with ops.set_cuda_memcpy_segment_bytes(0): on CUDA, plans with no cast and no
+    scale run as one cudaMemcpyAsync per segment instead of the kernel (CPU: no effect)."""
+    def forced():
+        from zero_lifetime import ops
+        previous = ops.set_cuda_memcpy_segment_bytes(0)
+        try:
+            return run()
+        finally:
+            ops.set_cuda_memcpy_segment_bytes(previous)
+    return forced
+
+
+def memcpy_route_cases(device: str) -> Iterator[Case]:
+    sizes = [2 * KERNEL_CHUNK, KERNEL_CHUNK + 13, 7, 1]
+    bases = [randn(n + 1, torch.float32, device, seed=90 + i) for i, n in enumerate(sizes)]
+    shifted = [base[1:] for base in bases]  # unaligned sources, odd offsets below
+    offsets, numel = back_to_back(sizes, gap=1)
+    yield ("fill memcpy route, unaligned",
+           with_memcpy_route(fill_case(device, shifted, offsets, numel, torch.float32, 1.0)))
+    yield ("gather memcpy route world 2 bfloat16",
+           with_memcpy_route(gather_case(device, 2, [3 * KERNEL_CHUNK + 5, 1, 1001], torch.bfloat16,
+                                         torch.bfloat16, seed=95)))
+
+
 def cases(device: str) -> Iterator[Case]:
     yield from fill_cases(device)
     yield from gather_cases(device)
+    yield from memcpy_route_cases(device)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -432,6 +432,109 @@ def test_segment_counts_around_the_inline_limit(device, count, route):
     assert_same(out, deepspeed_unshard(gathered, shard_numels, numels, world, torch.float32))
 
 
+# CUDA plans with no cast and no scale may run as one cudaMemcpyAsync per segment instead
+# of the kernel (ops.set_cuda_memcpy_segment_bytes; off by default until measured on a GPU).
+@pytest.fixture
+def memcpy_route_forced():
+    _native_ops("cpu")
+    previous = ops.set_cuda_memcpy_segment_bytes(0)
+    yield
+    ops.set_cuda_memcpy_segment_bytes(previous)
+
+
+def _cuda_activity(fn):
+    """Names of the CUDA kernels and memcpys ``fn`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [event.key for event in prof.key_averages()]
+
+
+def _ran_kernel(names):
+    return any("copy_plan" in name for name in names)
+
+
+def _ran_memcpy(names):
+    return any("memcpy" in name.lower() and "dtod" in name.lower().replace(" ", "") for name in names)
+
+
+def test_cuda_memcpy_segment_bytes_is_settable_and_checked():
+    _native_ops("cpu")
+    default = ops.cuda_memcpy_segment_bytes()
+    assert default == 2**63 - 1  # never, until a GPU run measures the route
+    previous = ops.set_cuda_memcpy_segment_bytes(4096)
+    try:
+        assert previous == default and ops.cuda_memcpy_segment_bytes() == 4096
+        with pytest.raises(RuntimeError, match="must be >= 0"):
+            ops.set_cuda_memcpy_segment_bytes(-1)
+        assert ops.cuda_memcpy_segment_bytes() == 4096
+    finally:
+        ops.set_cuda_memcpy_segment_bytes(default)
+
+
+def test_cpu_copies_ignore_the_cuda_memcpy_route(memcpy_route_forced, impl):
+    bucket_fill, gather_copy_out = impl
+    sizes = [8193, 7, 1]
+    tensors = [torch.randn(n) for n in sizes]
+    offsets, numel = layout(sizes, seed=4)
+    buffer = torch.zeros(numel)
+    bucket_fill(buffer, tensors, offsets, 1.0)
+    assert_same(buffer, expected_bucket(tensors, offsets, numel, torch.float32, 1.0))
+    gathered = torch.randn(2 * 4100)
+    out = torch.empty(8199)
+    gather_copy_out(gathered, out, [4097, 3], [8193, 6], 2)
+    assert_same(out, deepspeed_unshard(gathered, [4097, 3], [8193, 6], 2, torch.float32))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no GPU")
+def test_cuda_memcpy_route_is_taken_only_without_cast_or_scale(memcpy_route_forced, route):
+    bucket_fill, gather_copy_out = _ops_by_route("cuda", route)
+    sizes = [2**20 + 3, 8192, 7, 1]
+    tensors = [torch.randn(n, device="cuda") for n in sizes]
+    tensors.append(torch.randn(64, 48, device="cuda").t())  # strided: made contiguous first
+    sizes.append(64 * 48)
+    offsets, numel = layout(sizes, seed=5)
+    for dtype, scale, route_expected in [(torch.float32, 1.0, True), (torch.float32, 0.5, False),
+                                         (torch.bfloat16, 1.0, False)]:
+        sources = [t.to(dtype) for t in tensors]
+        buffer = torch.zeros(numel, device="cuda")
+        names = _cuda_activity(lambda: bucket_fill(buffer, sources, offsets, scale))
+        assert_same(buffer, expected_bucket(sources, offsets, numel, torch.float32, scale))
+        assert (_ran_memcpy(names), _ran_kernel(names)) == (route_expected, not route_expected), names
+    numels, shards = [3 * 8192 + 5, 1, 1001], [12295, 1, 501]
+    for src, dst, route_expected in [(torch.float32, torch.float32, True), (torch.float16, torch.float32, False)]:
+        gathered = torch.randn(2 * sum(shards), device="cuda").to(src)
+        out = torch.full((sum(numels),), 3.0, device="cuda", dtype=dst)
+        names = _cuda_activity(lambda: gather_copy_out(gathered, out, shards, numels, 2))
+        assert_same(out, deepspeed_unshard(gathered, shards, numels, 2, dst))
+        assert (_ran_memcpy(names), _ran_kernel(names)) == (route_expected, not route_expected), names
+    # More segments than the route takes: the kernel, with the route still forced.
+    many = [torch.randn(5, device="cuda") for _ in range(65)]
+    offsets, numel = layout([5] * 65, seed=6)
+    buffer = torch.zeros(numel, device="cuda")
+    names = _cuda_activity(lambda: bucket_fill(buffer, many, offsets, 1.0))
+    assert_same(buffer, expected_bucket(many, offsets, numel, torch.float32, 1.0))
+    assert _ran_kernel(names) and not _ran_memcpy(names), names
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no GPU")
+def test_cuda_memcpy_route_is_off_by_default_and_by_size():
+    _native_ops("cuda")
+    tensors = [torch.randn(2**16, device="cuda") for _ in range(2)]
+    buffer = torch.zeros(2**17, device="cuda")
+    assert _ran_kernel(_cuda_activity(lambda: ops.bucket_fill(buffer, tensors, [0, 2**16])))
+    previous = ops.set_cuda_memcpy_segment_bytes(2**16 * 4)  # exactly each segment's bytes
+    try:
+        assert _ran_memcpy(_cuda_activity(lambda: ops.bucket_fill(buffer, tensors, [0, 2**16])))
+        ops.set_cuda_memcpy_segment_bytes(2**16 * 4 + 1)
+        assert _ran_kernel(_cuda_activity(lambda: ops.bucket_fill(buffer, tensors, [0, 2**16])))
+    finally:
+        ops.set_cuda_memcpy_segment_bytes(previous)
+    assert_same(buffer, torch.cat(tensors))
+
+
 # tests/kernel_paths.py is what compute-sanitizer runs on a GPU (scripts/gpu_check.sh); it
 # must hold here too, and it must notice a wrong result, or a clean sanitizer run says little.
 @pytest.mark.parametrize("device", DEVICES)
@@ -439,7 +542,7 @@ def test_every_kernel_path_matches_torch(device):
     _native_ops(device)
     import kernel_paths
     results = kernel_paths.check_all(device)
-    assert len(results) == 35
+    assert len(results) == 37
     assert [name for name, same in results if not same] == []
 
 
@@ -456,8 +559,9 @@ def test_kernel_paths_report_a_wrong_result(monkeypatch):
     # Every gather, and every fill whose last source is not empty: all but the 18 aligned
     # and the 2 unaligned-source fills, whose last source is.
     assert "fill inline grid-stride" in failed and "gather table world 2" in failed
+    assert "fill memcpy route, unaligned" in failed and "gather memcpy route world 2 bfloat16" in failed
     assert not any(name.startswith(("fill inline aligned", "fill inline unaligned sources")) for name in failed)
-    assert len(failed) == 35 - 20
+    assert len(failed) == 37 - 20
 
 
 GATHER_ERRORS = [
@@ -617,10 +721,11 @@ def test_streaming_store_threshold_defaults_to_the_last_level_cache(tmp_path):
     assert int(proc.stdout.split()[-1]) == default_for("/sys/devices/system/cpu/cpu0")
 
 
-def test_streaming_store_threshold_needs_the_compiled_ops(monkeypatch):
+@pytest.mark.parametrize("setting", ["streaming_store_threshold", "cuda_memcpy_segment_bytes"])
+def test_copy_settings_need_the_compiled_ops(monkeypatch, setting):
     monkeypatch.setenv("ZERO_LIFETIME_FORCE_PYTHON", "1")
-    with pytest.raises(RuntimeError, match="compiled CPU ops are not loaded"):
-        ops.streaming_store_threshold()
+    with pytest.raises(RuntimeError, match=f"ops.{setting}: the compiled CPU ops are not loaded"):
+        getattr(ops, setting)()
 
 
 @pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),

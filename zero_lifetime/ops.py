@@ -194,6 +194,21 @@ def set_streaming_store_threshold(nbytes: int) -> int:
     return _compiled_module("set_streaming_store_threshold").set_streaming_store_threshold(int(nbytes))
 
 
+def cuda_memcpy_segment_bytes() -> int:
+    """Segment bytes from which a CUDA fused copy with no cast and no scale runs as one
+    ``cudaMemcpyAsync`` per segment (at most 64 segments, each at least this large) instead
+    of the fused kernel: the call torch's own contiguous ``copy_`` makes. The default is a huge
+    value (never) until a GPU run shows where it beats the kernel
+    (``benchmarks/cuda_memcpy_route.py``). CPU copies do not read it."""
+    return _compiled_module("cuda_memcpy_segment_bytes").cuda_memcpy_segment_bytes()
+
+
+def set_cuda_memcpy_segment_bytes(nbytes: int) -> int:
+    """Set :func:`cuda_memcpy_segment_bytes` (0: whenever there is no cast or scale, a huge
+    value: never) for this process; returns the previous value."""
+    return _compiled_module("set_cuda_memcpy_segment_bytes").set_cuda_memcpy_segment_bytes(int(nbytes))
+
+
 def _compiled_module_or_none(what: str):
     """The compiled module when it is loaded (not forced off) and has ``what``, else None."""
     module = _native.load() if not _native.force_python() else None

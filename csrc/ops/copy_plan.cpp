@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <tuple>
 
 namespace zero_lifetime::ops {
@@ -78,7 +79,15 @@ void check_flat(const char* op, const char* name, const at::Tensor& t) {
 
 namespace {
 std::atomic<CudaPlanRunner> registered_cuda_runner{nullptr};
+std::atomic<int64_t> memcpy_segment_bytes{std::numeric_limits<int64_t>::max()};
 }  // namespace
+
+int64_t cuda_memcpy_segment_bytes() { return memcpy_segment_bytes.load(std::memory_order_relaxed); }
+
+int64_t set_cuda_memcpy_segment_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "CUDA memcpy segment bytes must be >= 0, got ", bytes);
+  return memcpy_segment_bytes.exchange(bytes, std::memory_order_relaxed);
+}
 
 void set_cuda_plan_runner(CudaPlanRunner runner) { registered_cuda_runner.store(runner); }
 

@@ -77,6 +77,15 @@ int64_t set_streaming_store_threshold(int64_t bytes);
 // The default for a machine whose sysfs cpu directory is `cpu_dir`.
 int64_t default_streaming_store_threshold(const std::string& cpu_dir);
 
+// CUDA plans with no cast and no scale whose every segment holds at least this many bytes
+// (and that have at most kMaxMemcpySegments segments) run as one cudaMemcpyAsync per segment,
+// the call torch's own contiguous copy_ makes, instead of the fused kernel. Default: never
+// (INT64_MAX) until measured on a GPU; an A/B switch for benchmarks/cuda_memcpy_route.py.
+// The setter returns the previous value.
+constexpr int64_t kMaxMemcpySegments = 64;
+int64_t cuda_memcpy_segment_bytes();
+int64_t set_cuda_memcpy_segment_bytes(int64_t bytes);
+
 // Runs a plan on the current CUDA stream of dst's device. Set by copy_plan_cuda.cu when it
 // is compiled in (a registration, not a symbol: CPU-only builds must link without it), so
 // the direct Python entries (fast_path.cpp, built by the host compiler) can reach it.

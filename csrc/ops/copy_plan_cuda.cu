@@ -98,10 +98,32 @@ void launch(const SegmentMeta* table, const InlineSegments* inline_segments,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// A few large segments with nothing to cast or scale: one cudaMemcpyAsync each, the call
+// torch's contiguous copy_ (the benchmarks' roofline) makes. Off by default until a GPU run
+// measures it against the kernel (set_cuda_memcpy_segment_bytes). False: the kernel runs.
+// Plans never hold a segment already in place (src == dst) when the scale is 1.
+bool run_plan_as_memcpys(const CopyPlan& plan, cudaStream_t stream) {
+  const auto count = static_cast<int64_t>(plan.segments.size());
+  if (plan.scale != 1.0f || count > kMaxMemcpySegments) return false;
+  const int64_t min_bytes = cuda_memcpy_segment_bytes();
+  const auto itemsize = static_cast<int64_t>(c10::elementSize(plan.dst_dtype));
+  for (const CopySegment& seg : plan.segments) {
+    if (seg.src_dtype != plan.dst_dtype || seg.numel * itemsize < min_bytes) return false;
+  }
+  char* dst = static_cast<char*>(plan.dst);
+  for (const CopySegment& seg : plan.segments) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst + seg.dst_offset * itemsize, seg.src,
+                                   static_cast<size_t>(seg.numel * itemsize),
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
+  return true;
+}
+
 // Runs on the current stream of dst's device, whose guard the caller need not hold.
 void run_plan_cuda(const CopyPlan& plan, const at::Tensor& dst_tensor) {
   if (plan.segments.empty()) return;
   const c10::cuda::CUDAGuard device_guard(dst_tensor.device());
+  if (run_plan_as_memcpys(plan, c10::cuda::getCurrentCUDAStream())) return;
   const int64_t num_segments = static_cast<int64_t>(plan.segments.size());
   const bool use_inline = num_segments <= kInlineSegments;
   InlineSegments inline_segments;

@@ -261,6 +261,10 @@ void add_fast_path_bindings(py::module& m) {
         "Destination bytes from which CPU fused copies use non-temporal stores");
   m.def("set_streaming_store_threshold", &set_streaming_store_threshold, py::arg("nbytes"),
         "Set that threshold (0: always); returns the previous one");
+  m.def("cuda_memcpy_segment_bytes", &cuda_memcpy_segment_bytes,
+        "Segment bytes from which CUDA fused copies without a cast or scale use cudaMemcpyAsync");
+  m.def("set_cuda_memcpy_segment_bytes", &set_cuda_memcpy_segment_bytes, py::arg("nbytes"),
+        "Set that threshold (0: always, a huge value: never); returns the previous one");
   m.def("last_level_cache_bytes", &last_level_cache_bytes, py::arg("cpu_dir"),
         "Bytes of the highest-level data/unified cache under a sysfs cpu directory; 0 if unreadable");
   m.def("default_streaming_store_threshold", &default_streaming_store_threshold, py::arg("cpu_dir"),
