@@ -460,6 +460,16 @@ def _ran_memcpy(names):
     return any("memcpy" in name.lower() and "dtod" in name.lower().replace(" ", "") for name in names)
 
 
+def _assert_routes(observed):
+    """observed: (names the profiler saw, whether the memcpy route was due) per call. Under
+    compute-sanitizer the profiler sees nothing (CUPTI takes one subscriber): then only the
+    results, checked before, count."""
+    if not any(names for names, _ in observed):
+        pytest.skip("the CUDA profiler recorded nothing (compute-sanitizer?): results checked, routes not")
+    for names, memcpy_due in observed:
+        assert (_ran_memcpy(names), _ran_kernel(names)) == (memcpy_due, not memcpy_due), names
+
+
 def test_cuda_memcpy_segment_bytes_is_settable_and_checked():
     _native_ops("cpu")
     default = ops.cuda_memcpy_segment_bytes()
@@ -496,27 +506,26 @@ def test_cuda_memcpy_route_is_taken_only_without_cast_or_scale(memcpy_route_forc
     tensors.append(torch.randn(64, 48, device="cuda").t())  # strided: made contiguous first
     sizes.append(64 * 48)
     offsets, numel = layout(sizes, seed=5)
-    for dtype, scale, route_expected in [(torch.float32, 1.0, True), (torch.float32, 0.5, False),
-                                         (torch.bfloat16, 1.0, False)]:
+    observed = []
+    for dtype, scale, memcpy_due in [(torch.float32, 1.0, True), (torch.float32, 0.5, False),
+                                     (torch.bfloat16, 1.0, False)]:
         sources = [t.to(dtype) for t in tensors]
         buffer = torch.zeros(numel, device="cuda")
-        names = _cuda_activity(lambda: bucket_fill(buffer, sources, offsets, scale))
+        observed.append((_cuda_activity(lambda: bucket_fill(buffer, sources, offsets, scale)), memcpy_due))
         assert_same(buffer, expected_bucket(sources, offsets, numel, torch.float32, scale))
-        assert (_ran_memcpy(names), _ran_kernel(names)) == (route_expected, not route_expected), names
     numels, shards = [3 * 8192 + 5, 1, 1001], [12295, 1, 501]
-    for src, dst, route_expected in [(torch.float32, torch.float32, True), (torch.float16, torch.float32, False)]:
+    for src, dst, memcpy_due in [(torch.float32, torch.float32, True), (torch.float16, torch.float32, False)]:
         gathered = torch.randn(2 * sum(shards), device="cuda").to(src)
         out = torch.full((sum(numels),), 3.0, device="cuda", dtype=dst)
-        names = _cuda_activity(lambda: gather_copy_out(gathered, out, shards, numels, 2))
+        observed.append((_cuda_activity(lambda: gather_copy_out(gathered, out, shards, numels, 2)), memcpy_due))
         assert_same(out, deepspeed_unshard(gathered, shards, numels, 2, dst))
-        assert (_ran_memcpy(names), _ran_kernel(names)) == (route_expected, not route_expected), names
     # More segments than the route takes: the kernel, with the route still forced.
     many = [torch.randn(5, device="cuda") for _ in range(65)]
     offsets, numel = layout([5] * 65, seed=6)
     buffer = torch.zeros(numel, device="cuda")
-    names = _cuda_activity(lambda: bucket_fill(buffer, many, offsets, 1.0))
+    observed.append((_cuda_activity(lambda: bucket_fill(buffer, many, offsets, 1.0)), False))
     assert_same(buffer, expected_bucket(many, offsets, numel, torch.float32, 1.0))
-    assert _ran_kernel(names) and not _ran_memcpy(names), names
+    _assert_routes(observed)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no GPU")
@@ -524,15 +533,18 @@ def test_cuda_memcpy_route_is_off_by_default_and_by_size():
     _native_ops("cuda")
     tensors = [torch.randn(2**16, device="cuda") for _ in range(2)]
     buffer = torch.zeros(2**17, device="cuda")
-    assert _ran_kernel(_cuda_activity(lambda: ops.bucket_fill(buffer, tensors, [0, 2**16])))
+    def fill():
+        ops.bucket_fill(buffer, tensors, [0, 2**16])
+    observed = [(_cuda_activity(fill), False)]
     previous = ops.set_cuda_memcpy_segment_bytes(2**16 * 4)  # exactly each segment's bytes
     try:
-        assert _ran_memcpy(_cuda_activity(lambda: ops.bucket_fill(buffer, tensors, [0, 2**16])))
+        observed.append((_cuda_activity(fill), True))
         ops.set_cuda_memcpy_segment_bytes(2**16 * 4 + 1)
-        assert _ran_kernel(_cuda_activity(lambda: ops.bucket_fill(buffer, tensors, [0, 2**16])))
+        observed.append((_cuda_activity(fill), False))
     finally:
         ops.set_cuda_memcpy_segment_bytes(previous)
     assert_same(buffer, torch.cat(tensors))
+    _assert_routes(observed)
 
 
 # tests/kernel_paths.py is what compute-sanitizer runs on a GPU (scripts/gpu_check.sh); it
