@@ -199,7 +199,7 @@ def cuda_memcpy_segment_bytes() -> int:
     ``cudaMemcpyAsync`` per segment (at most 64 segments, each at least this large) instead
     of the fused kernel: the call torch's own contiguous ``copy_`` makes. The default is a huge
     value (never) until a GPU run shows where it beats the kernel
-    (``benchmarks/cuda_memcpy_route.py``). CPU copies do not read it."""
+    (the "memcpy" way of ``benchmarks/profile_ops.py``). CPU copies do not read it."""
     return _compiled_module("cuda_memcpy_segment_bytes").cuda_memcpy_segment_bytes()
 
 

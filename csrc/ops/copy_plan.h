@@ -80,8 +80,8 @@ int64_t default_streaming_store_threshold(const std::string& cpu_dir);
 // CUDA plans with no cast and no scale whose every segment holds at least this many bytes
 // (and that have at most kMaxMemcpySegments segments) run as one cudaMemcpyAsync per segment,
 // the call torch's own contiguous copy_ makes, instead of the fused kernel. Default: never
-// (INT64_MAX) until measured on a GPU; an A/B switch for benchmarks/cuda_memcpy_route.py.
-// The setter returns the previous value.
+// (INT64_MAX) until measured on a GPU, where benchmarks/profile_ops.py (its "memcpy" way)
+// compares the two. The setter returns the previous value.
 constexpr int64_t kMaxMemcpySegments = 64;
 int64_t cuda_memcpy_segment_bytes();
 int64_t set_cuda_memcpy_segment_bytes(int64_t bytes);
