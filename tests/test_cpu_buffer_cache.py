@@ -146,5 +146,5 @@ def test_without_the_compiled_ops_buffers_are_plain_and_the_cache_api_says_why(m
     assert buf.shape == (10,) and buf.dtype == torch.bfloat16
     for call in (ops.cpu_buffer_cache_info, ops.empty_cpu_buffer_cache,
                  lambda: ops.set_cpu_buffer_cache_limit(0)):
-        with pytest.raises(RuntimeError, match="compiled CPU ops are not loaded"):
+        with pytest.raises(RuntimeError, match="compiled ops are not loaded"):
             call()

@@ -736,7 +736,7 @@ def test_streaming_store_threshold_defaults_to_the_last_level_cache(tmp_path):
 @pytest.mark.parametrize("setting", ["streaming_store_threshold", "cuda_memcpy_segment_bytes"])
 def test_copy_settings_need_the_compiled_ops(monkeypatch, setting):
     monkeypatch.setenv("ZERO_LIFETIME_FORCE_PYTHON", "1")
-    with pytest.raises(RuntimeError, match=f"ops.{setting}: the compiled CPU ops are not loaded"):
+    with pytest.raises(RuntimeError, match=f"ops.{setting}: the compiled ops are not loaded"):
         getattr(ops, setting)()
 
 

@@ -218,6 +218,6 @@ def _compiled_module_or_none(what: str):
 def _compiled_module(what: str):
     module = _compiled_module_or_none(what)
     if module is None:
-        raise RuntimeError(f"zero_lifetime.ops.{what}: the compiled CPU ops are not loaded "
+        raise RuntimeError(f"zero_lifetime.ops.{what}: the compiled ops are not loaded "
                            f"({_native.status()['error'] or 'ZERO_LIFETIME_FORCE_PYTHON=1'})")
     return module
