@@ -43,8 +43,7 @@ CASES = [  # (kind, tensors, elements each, source dtype)
 ]
 
 
-NEVER = 2**63 - 1  # ops.set_cuda_memcpy_segment_bytes: the kernel always
-MEMCPY_MAX_SEGMENTS = 64  # kMaxMemcpySegments in csrc/ops/copy_plan.h
+NEVER = 2**63 - 1  # ops.set_cuda_memcpy_segment_bytes: no segment is this large, the kernel always
 
 
 def routed(fn, memcpy_segment_bytes):
@@ -79,7 +78,7 @@ def make_case(kind, n, numel, dtype, device):
     if device != "cuda":  # the route is CUDA's only
         return {"direct": fused, "dispatcher": dispatcher, "roofline": roofline}, nbytes
     calls = {"direct": routed(fused, NEVER)}
-    if same_dtype and segments <= MEMCPY_MAX_SEGMENTS:
+    if same_dtype and segments <= ops.cuda_memcpy_max_segments():
         calls["memcpy"] = routed(fused, 0)
     calls.update(dispatcher=routed(dispatcher, NEVER), roofline=roofline)
     return calls, nbytes

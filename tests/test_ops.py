@@ -18,6 +18,8 @@ from torch.library import opcheck
 
 from zero_lifetime import _native, ops, ops_reference
 
+import kernel_paths  # tests/ is on sys.path (conftest.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [0, 1, 7, 2**20 + 7]
@@ -437,9 +439,8 @@ def test_segment_counts_around_the_inline_limit(device, count, route):
 @pytest.fixture
 def memcpy_route_forced():
     _native_ops("cpu")
-    previous = ops.set_cuda_memcpy_segment_bytes(0)
-    yield
-    ops.set_cuda_memcpy_segment_bytes(previous)
+    with kernel_paths.memcpy_route():
+        yield
 
 
 def _cuda_activity(fn):
@@ -468,20 +469,6 @@ def _assert_routes(observed):
         pytest.skip("the CUDA profiler recorded nothing (compute-sanitizer?): results checked, routes not")
     for names, memcpy_due in observed:
         assert (_ran_memcpy(names), _ran_kernel(names)) == (memcpy_due, not memcpy_due), names
-
-
-def test_cuda_memcpy_segment_bytes_is_settable_and_checked():
-    _native_ops("cpu")
-    default = ops.cuda_memcpy_segment_bytes()
-    assert default == 2**63 - 1  # never, until a GPU run measures the route
-    previous = ops.set_cuda_memcpy_segment_bytes(4096)
-    try:
-        assert previous == default and ops.cuda_memcpy_segment_bytes() == 4096
-        with pytest.raises(RuntimeError, match="must be >= 0"):
-            ops.set_cuda_memcpy_segment_bytes(-1)
-        assert ops.cuda_memcpy_segment_bytes() == 4096
-    finally:
-        ops.set_cuda_memcpy_segment_bytes(default)
 
 
 def test_cpu_copies_ignore_the_cuda_memcpy_route(memcpy_route_forced, impl):
@@ -520,8 +507,9 @@ def test_cuda_memcpy_route_is_taken_only_without_cast_or_scale(memcpy_route_forc
         observed.append((_cuda_activity(lambda: gather_copy_out(gathered, out, shards, numels, 2)), memcpy_due))
         assert_same(out, deepspeed_unshard(gathered, shards, numels, 2, dst))
     # More segments than the route takes: the kernel, with the route still forced.
-    many = [torch.randn(5, device="cuda") for _ in range(65)]
-    offsets, numel = layout([5] * 65, seed=6)
+    too_many = ops.cuda_memcpy_max_segments() + 1
+    many = [torch.randn(5, device="cuda") for _ in range(too_many)]
+    offsets, numel = layout([5] * too_many, seed=6)
     buffer = torch.zeros(numel, device="cuda")
     observed.append((_cuda_activity(lambda: bucket_fill(buffer, many, offsets, 1.0)), False))
     assert_same(buffer, expected_bucket(many, offsets, numel, torch.float32, 1.0))
@@ -536,13 +524,10 @@ def test_cuda_memcpy_route_is_off_by_default_and_by_size():
     def fill():
         ops.bucket_fill(buffer, tensors, [0, 2**16])
     observed = [(_cuda_activity(fill), False)]
-    previous = ops.set_cuda_memcpy_segment_bytes(2**16 * 4)  # exactly each segment's bytes
-    try:
+    with kernel_paths.memcpy_route(2**16 * 4):  # exactly each segment's bytes
         observed.append((_cuda_activity(fill), True))
-        ops.set_cuda_memcpy_segment_bytes(2**16 * 4 + 1)
+    with kernel_paths.memcpy_route(2**16 * 4 + 1):
         observed.append((_cuda_activity(fill), False))
-    finally:
-        ops.set_cuda_memcpy_segment_bytes(previous)
     assert_same(buffer, torch.cat(tensors))
     _assert_routes(observed)
 
@@ -552,7 +537,6 @@ def test_cuda_memcpy_route_is_off_by_default_and_by_size():
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_kernel_path_matches_torch(device):
     _native_ops(device)
-    import kernel_paths
     results = kernel_paths.check_all(device)
     assert len(results) == 37
     assert [name for name, same in results if not same] == []
@@ -560,7 +544,6 @@ def test_every_kernel_path_matches_torch(device):
 
 def test_kernel_paths_report_a_wrong_result(monkeypatch):
     _native_ops("cpu")
-    import kernel_paths
     fill = ops.bucket_fill
     monkeypatch.setattr(ops, "bucket_fill", lambda buffer, tensors, offsets, scale=1.0:
                         fill(buffer, tensors[:-1], offsets[:-1], scale))  # drops the last source
@@ -669,18 +652,23 @@ def test_forced_python_fallback_gives_identical_results(tmp_path):
     assert_same(out, python_result["out"])
 
 
-def test_streaming_store_threshold_is_settable_and_checked():
+@pytest.mark.parametrize("setting, is_default", [
+    ("streaming_store_threshold", lambda value: value > 0),  # from this machine's cache
+    ("cuda_memcpy_segment_bytes", lambda value: value == 2**63 - 1),  # never, until a GPU run measures it
+])
+def test_copy_settings_are_settable_and_checked(setting, is_default):
     _native_ops("cpu")
-    default = ops.streaming_store_threshold()
-    assert default > 0
-    previous = ops.set_streaming_store_threshold(123)
+    get, set_ = getattr(ops, setting), getattr(ops, f"set_{setting}")
+    default = get()
+    assert is_default(default)
+    previous = set_(123)
     try:
-        assert previous == default and ops.streaming_store_threshold() == 123
-        with pytest.raises(RuntimeError, match="must be >= 0 bytes"):
-            ops.set_streaming_store_threshold(-1)
-        assert ops.streaming_store_threshold() == 123
+        assert previous == default and get() == 123
+        with pytest.raises(RuntimeError, match="must be >= 0"):
+            set_(-1)
+        assert get() == 123
     finally:
-        ops.set_streaming_store_threshold(default)
+        set_(default)
 
 
 def _sysfs_cache(root, index, level, kind, size):
@@ -733,7 +721,8 @@ def test_streaming_store_threshold_defaults_to_the_last_level_cache(tmp_path):
     assert int(proc.stdout.split()[-1]) == default_for("/sys/devices/system/cpu/cpu0")
 
 
-@pytest.mark.parametrize("setting", ["streaming_store_threshold", "cuda_memcpy_segment_bytes"])
+@pytest.mark.parametrize("setting", ["streaming_store_threshold", "cuda_memcpy_segment_bytes",
+                                     "cuda_memcpy_max_segments"])
 def test_copy_settings_need_the_compiled_ops(monkeypatch, setting):
     monkeypatch.setenv("ZERO_LIFETIME_FORCE_PYTHON", "1")
     with pytest.raises(RuntimeError, match=f"ops.{setting}: the compiled ops are not loaded"):

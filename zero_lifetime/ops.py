@@ -196,10 +196,10 @@ def set_streaming_store_threshold(nbytes: int) -> int:
 
 def cuda_memcpy_segment_bytes() -> int:
     """Segment bytes from which a CUDA fused copy with no cast and no scale runs as one
-    ``cudaMemcpyAsync`` per segment (at most 64 segments, each at least this large) instead
-    of the fused kernel: the call torch's own contiguous ``copy_`` makes. The default is a huge
-    value (never) until a GPU run shows where it beats the kernel
-    (the "memcpy" way of ``benchmarks/profile_ops.py``). CPU copies do not read it."""
+    ``cudaMemcpyAsync`` per segment (at most :func:`cuda_memcpy_max_segments` segments, each
+    at least this large) instead of the fused kernel: the call torch's own contiguous
+    ``copy_`` makes. The default is a huge value (never) until a GPU run shows where it beats
+    the kernel (the "memcpy" way of ``benchmarks/profile_ops.py``). CPU copies do not read it."""
     return _compiled_module("cuda_memcpy_segment_bytes").cuda_memcpy_segment_bytes()
 
 
@@ -207,6 +207,12 @@ def set_cuda_memcpy_segment_bytes(nbytes: int) -> int:
     """Set :func:`cuda_memcpy_segment_bytes` (0: whenever there is no cast or scale, a huge
     value: never) for this process; returns the previous value."""
     return _compiled_module("set_cuda_memcpy_segment_bytes").set_cuda_memcpy_segment_bytes(int(nbytes))
+
+
+def cuda_memcpy_max_segments() -> int:
+    """The most segments a CUDA fused copy may have to take the ``cudaMemcpyAsync`` route: a
+    bound on its host cost, one call per segment where the kernel is one launch."""
+    return _compiled_module("cuda_memcpy_max_segments").cuda_memcpy_max_segments()
 
 
 def _compiled_module_or_none(what: str):

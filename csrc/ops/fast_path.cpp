@@ -265,6 +265,8 @@ void add_fast_path_bindings(py::module& m) {
         "Segment bytes from which CUDA fused copies without a cast or scale use cudaMemcpyAsync");
   m.def("set_cuda_memcpy_segment_bytes", &set_cuda_memcpy_segment_bytes, py::arg("nbytes"),
         "Set that threshold (0: always, a huge value: never); returns the previous one");
+  m.def("cuda_memcpy_max_segments", [] { return kMaxMemcpySegments; },
+        "The most segments a CUDA fused copy may have to run as cudaMemcpyAsync calls");
   m.def("last_level_cache_bytes", &last_level_cache_bytes, py::arg("cpu_dir"),
         "Bytes of the highest-level data/unified cache under a sysfs cpu directory; 0 if unreadable");
   m.def("default_streaming_store_threshold", &default_streaming_store_threshold, py::arg("cpu_dir"),
