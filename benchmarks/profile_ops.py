@@ -64,6 +64,7 @@ def make_case(kind, n, numel, dtype, device):
         dispatcher = lambda: torch.ops.zero_lifetime.bucket_fill(buffer, grads, offsets, 1.0)
         roofline = lambda: buffer.copy_(flat)
         nbytes, segments, same_dtype = n * numel * (dtype.itemsize + 4), n, dtype == torch.float32
+        segment_bytes = numel * dtype.itemsize
     else:
         world = 2
         shard = -(-numel // world)
@@ -75,13 +76,15 @@ def make_case(kind, n, numel, dtype, device):
         dispatcher = lambda: torch.ops.zero_lifetime.gather_copy_out(gathered, out, shards, numels, world)
         roofline = lambda: out.copy_(src)
         nbytes, segments, same_dtype = 2 * out.numel() * out.element_size(), world * n, True
+        segment_bytes = (numel - (world - 1) * shard) * out.element_size()  # the last rank's part, the shortest
+    shape = {"bytes": nbytes, "segments": segments, "segment_bytes": segment_bytes}
     if device != "cuda":  # the route is CUDA's only
-        return {"direct": fused, "dispatcher": dispatcher, "roofline": roofline}, nbytes
+        return {"direct": fused, "dispatcher": dispatcher, "roofline": roofline}, shape
     calls = {"direct": routed(fused, NEVER)}
     if same_dtype and segments <= ops.cuda_memcpy_max_segments():
         calls["memcpy"] = routed(fused, 0)
     calls.update(dispatcher=routed(dispatcher, NEVER), roofline=roofline)
-    return calls, nbytes
+    return calls, shape
 
 
 def wall_times(calls, sync, rounds=30):
@@ -145,7 +148,8 @@ def main():
     header = f"{'case':<34}{'way':<11}{'wall us':>9}{'host us':>9}{'kernel us':>10}{'GB/s':>8}{'vs roof':>8}"
     print(header)
     for kind, n, numel, dtype in CASES:
-        calls, nbytes = make_case(kind, n, numel, dtype, args.device)
+        calls, shape = make_case(kind, n, numel, dtype, args.device)
+        nbytes = shape["bytes"]
         for fn in calls.values():  # warm-up: allocator, lazy module loading
             fn()
         wall = wall_times(calls, sync)
@@ -154,7 +158,7 @@ def main():
             host = host_time(fn, sync, calls=200 if args.device == "cuda" else 10)
             kernel, names = kernel_time(fn) if args.device == "cuda" else (float("nan"), [])
             row = {"case": case, "way": name, "wall_s": wall[name], "host_s": host, "kernel_s": kernel,
-                   "kernels": names, "bytes": nbytes, "wall_vs_roofline": wall[name] / wall["roofline"]}
+                   "kernels": names, **shape, "wall_vs_roofline": wall[name] / wall["roofline"]}
             rows.append(row)
             print(f"{case:<34}{name:<11}{wall[name] * 1e6:>9.1f}{host * 1e6:>9.1f}{kernel * 1e6:>10.1f}"
                   f"{nbytes / wall[name] / 1e9:>8.0f}{row['wall_vs_roofline']:>7.2f}x")

@@ -8,18 +8,25 @@
 #             kernel bench, where the time of one fused-op call goes (benchmarks/profile_ops.py,
 #             with the cudaMemcpyAsync route beside the kernel for few large segments)
 #             and the host's share of install's step overhead
+#   route     after bench: from profile_ops' kernel-vs-memcpy comparison, the segment size from
+#             which the cudaMemcpyAsync route won every case (zero_lifetime.bench.memcpy_route);
+#             if there is one, bench bucket and bench gather again with the route on from that
+#             size, so one call brings back both answers (a second call would start a fresh machine)
 #   tests_cuda  only what runs on the GPU: each kernel path once, the CUDA op tests and fuzz,
-#             the CUDA engine scenarios (CI runs everything else)
+#             the CUDA engine scenarios, bench's route option (CI runs everything else)
 #   sanitize  the CUDA kernels under compute-sanitizer: each kernel path once under memcheck,
 #             racecheck, initcheck and synccheck (about 20 s)
 #   sanitize_tests  the CUDA op tests and a short fuzz under memcheck: longer than one call
 #             leaves after the phases above (on an H200, 22 tests in 150 s), so a call of its own
 #   tests     the whole test suite (CUDA op tests, CUDA fuzz, CUDA engine scenarios included)
 #
-# One lent device call (15 minutes of device time a session, 10 a command):
-#   bash scripts/gpu_check.sh setup bench tests_cuda sanitize      (timeout_s 600, carry .whl)
-# and, if the session's time allows, at once on the warm machine (the build is kept there):
-#   bash scripts/gpu_check.sh sanitize_tests                        (timeout_s 600)
+# One lent device call (15 minutes of device time a session, 10 a command), correctness first:
+#   bash scripts/gpu_check.sh setup tests_cuda bench route sanitize      (timeout_s 600, carry .whl)
+# and, if the session's time allows, at once on the warm machine (the build is kept there; a
+# machine idle for 30 s is given back, and a fresh one costs minutes of the session's time):
+#   bash scripts/gpu_check.sh sanitize sanitize_tests                    (timeout_s 600)
+# (the first call's sanitize runs only if its deadline leaves time: the H200 run of 2026-11-27
+# took 526 s for setup, bench, tests_cuda and sanitize without profile_ops, which adds ~60 s).
 # The run stops starting work ZL_GPU_DEADLINE_S seconds after it began (default 540), and caps
 # each command at what is left, so it ends inside the call with every log packed.
 # The device tool returns at most 8 files from $OUT: the logs, JSON and plots go to
@@ -86,10 +93,30 @@ for phase in "$@"; do
       run profile_ops 60 python3 benchmarks/profile_ops.py --device cuda --json "$WORK/profile_cuda.json"
       run step_host_cost 60 python3 benchmarks/step_host_cost.py --rounds 60
       ;;
+    route)
+      if [ ! -f "$WORK/profile_cuda.json" ]; then
+        echo "== route: SKIPPED, no $WORK/profile_cuda.json (the bench phase makes it)" | say
+        status=1
+        continue
+      fi
+      run route_choice 30 python3 -m zero_lifetime.bench.memcpy_route "$WORK/profile_cuda.json"
+      route_bytes=$(tail -n 1 "$WORK/route_choice.log")
+      case $route_bytes in
+        never) echo "== route: the kernel won a case with the largest segments; nothing more to run" | say ;;
+        ''|*[!0-9]*) echo "== route: no threshold read from route_choice.log" | say; status=1 ;;
+        *)
+          for bench in bucket gather; do
+            run "bench_route_$bench" 120 python3 -m zero_lifetime.bench "$bench" --device cuda \
+              --cuda-memcpy-segment-bytes "$route_bytes" --repeats "${ZL_BENCH_REPEATS:-10}" \
+              --json "$WORK/bench_route_${bench}_cuda.json"
+          done
+          ;;
+      esac
+      ;;
     tests_cuda)
       run kernel_paths 60 python3 tests/kernel_paths.py --device cuda
       run pytest_cuda 240 python3 -m pytest tests/test_ops.py tests/test_ops_fuzz.py tests/test_repoint.py tests/test_native_link.py \
-        tests/test_cuda_engine.py -k cuda -q -p no:cacheprovider -rs -s --durations=10
+        tests/test_cuda_engine.py tests/test_bench_cli.py -k cuda -q -p no:cacheprovider -rs -s --durations=10
       ;;
     sanitize)
       # No caching allocator: every tensor is its own allocation, so memcheck sees an
@@ -113,7 +140,7 @@ for phase in "$@"; do
     tests)
       run pytest 540 python3 -m pytest tests -q -p no:cacheprovider -rs -s --durations=15
       ;;
-    *) echo "unknown phase: $phase (setup, bench, tests_cuda, sanitize, sanitize_tests, tests)" | say; status=2; exit 2 ;;
+    *) echo "unknown phase: $phase (setup, bench, route, tests_cuda, sanitize, sanitize_tests, tests)" | say; status=2; exit 2 ;;
   esac
 done
 exit $status

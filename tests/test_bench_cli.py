@@ -196,3 +196,46 @@ def test_step_overhead_is_judged_round_by_round():
     assert measured.startswith("+1.00% ") and met is True
     ((name, measured, met), ) = step.targets([dict(result, ranks=2)], "cuda")
     assert name == "install overhead on a ZeRO-3 step under 1% (cuda, 2 ranks)" and met is False
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["bucket", "--quick", "--cuda-memcpy-segment-bytes", "0"], "applies to --device cuda only"),
+    (["bucket", "--quick", "--cuda-memcpy-segment-bytes", "-1"], "must be at least 0, got -1"),
+])
+def test_memcpy_route_option_is_refused_where_it_cannot_apply(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_rank_workers_copy_with_the_launchers_memcpy_route(tmp_path, monkeypatch):
+    """bench --cuda-memcpy-segment-bytes sets the route in the launching process; the ranks of
+    `gather --ranks 2` and `step --ranks 2` are processes of their own and must get it too."""
+    from zero_lifetime import ops
+    from zero_lifetime.bench.rank_launch import run_worker
+    (tmp_path / "route_probe_worker.py").write_text(
+        "import torch.distributed as dist\n"
+        "from zero_lifetime import ops\n"
+        "from zero_lifetime.bench.rank_launch import worker_main\n"
+        "def work(spec):\n"
+        "    dist.init_process_group('gloo')\n"
+        "    return [{'case': 'probe', 'route': ops.cuda_memcpy_segment_bytes(), 'spec': sorted(spec)}]\n"
+        "worker_main(work)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO_ROOT}")
+    previous = ops.set_cuda_memcpy_segment_bytes(123457)
+    try:
+        results = run_worker("route_probe_worker", {"device": "cpu"}, 2, "cpu", 120, "probe")
+    finally:
+        ops.set_cuda_memcpy_segment_bytes(previous)
+    assert results == [{"case": "probe", "route": 123457, "spec": ["device"]}]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no GPU")
+def test_cuda_bench_records_the_memcpy_route_it_ran_with(tmp_path):
+    out = tmp_path / "bucket.json"
+    proc = run_cli("bucket", "--quick", "--repeats", "2", "--device", "cuda", "--cuda-memcpy-segment-bytes", "4096",
+                   "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "cudaMemcpyAsync route from 4096 B segments" in proc.stdout
+    assert json.loads(out.read_text())["environment"]["cuda_memcpy_segment_bytes"] == 4096

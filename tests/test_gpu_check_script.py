@@ -6,6 +6,7 @@ commands were cut or skipped. A broken script would cost a GPU session; CI has n
 checks it with a ``compute-sanitizer`` stand-in that hangs.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -73,3 +74,53 @@ def test_unknown_phase_is_an_error(tmp_path):
                             env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
     assert result.returncode == 2
     assert "unknown phase: benchmark" in result.stdout
+
+
+def _profile_row(case, way, kernel_us, wall_us, segment_bytes):
+    return {"case": case, "way": way, "kernel_s": kernel_us * 1e-6, "wall_s": wall_us * 1e-6,
+            "segment_bytes": segment_bytes, "segments": 16}
+
+
+def _run_route(tmp_path, rows):
+    """gpu_check.sh route after a bench phase that left profile_cuda.json with ROWS (None: no file)."""
+    work = tmp_path / "out" / "gpu_check"
+    work.mkdir(parents=True)
+    if rows is not None:
+        (work / "profile_cuda.json").write_text(json.dumps({"device": "test", "rows": rows}))
+    # One round a case: on a GPU machine the benches really run.
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": REPO, "ZL_GPU_DEADLINE_S": "200",
+           "ZL_BENCH_REPEATS": "1"}
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "route"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    return result, (tmp_path / "out" / "summary.log").read_text()
+
+
+def test_route_phase_benches_again_with_the_route_from_where_it_won(tmp_path):
+    """One device call brings back the kernel's figures (bench) and the route's (route): here the
+    route won from 4 MiB segments, so bench bucket and gather run with it from there. (On this
+    machine they stop at --device cuda, with the option on their command line.)"""
+    rows = [_profile_row("fill 16 x 512K", "direct", 100, 120, 2 << 20),
+            _profile_row("fill 16 x 512K", "memcpy", 140, 150, 2 << 20),
+            _profile_row("fill 16 x 1M", "direct", 150, 160, 4 << 20),
+            _profile_row("fill 16 x 1M", "memcpy", 100, 120, 4 << 20)]
+    result, summary = _run_route(tmp_path, rows)
+    for bench in ("bucket", "gather"):
+        assert re.search(rf"== bench_route_{bench} \(at most \d+s\): python3 -m zero_lifetime.bench {bench} "
+                         rf"--device cuda --cuda-memcpy-segment-bytes {4 << 20} ", summary), summary
+    if not __import__("torch").cuda.is_available():
+        assert result.returncode == 1 and "--device cuda needs a CUDA GPU" in summary, summary
+
+
+def test_route_phase_runs_nothing_more_when_the_kernel_won(tmp_path):
+    rows = [_profile_row("fill 16 x 1M", "direct", 100, 120, 4 << 20),
+            _profile_row("fill 16 x 1M", "memcpy", 140, 150, 4 << 20)]
+    result, summary = _run_route(tmp_path, rows)
+    assert result.returncode == 0, summary
+    assert "== route: the kernel won a case with the largest segments; nothing more to run" in summary
+    assert "bench_route" not in summary
+
+
+def test_route_phase_without_the_bench_phase_says_so(tmp_path):
+    result, summary = _run_route(tmp_path, None)
+    assert result.returncode == 1
+    assert "== route: SKIPPED, no " in summary and "(the bench phase makes it)" in summary

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed rounds per case (default: 15, step 20; --quick: 5, step 3)")
     common.add_argument("--json", metavar="PATH", help="write every raw sample and the environment here")
     common.add_argument("--plot", metavar="PATH", help="write a PNG: bandwidth vs size per method, roofline drawn")
+    common.add_argument("--cuda-memcpy-segment-bytes", metavar="N", type=_non_negative_int, default=None,
+                        help="with --device cuda: fused copies without a cast or scale whose segments all hold "
+                             ">= N bytes run as cudaMemcpyAsync calls (ops.set_cuda_memcpy_segment_bytes; "
+                             "default: the library's)")
     parser = argparse.ArgumentParser(prog="python -m zero_lifetime.bench", description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{release,gather,bucket,step,all,compare}")
     for name, (module, title) in BENCHES.items():
@@ -72,6 +76,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -150,6 +161,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not torch.cuda.is_available():
             parser.exit(2, f"{parser.prog} {args.command}: error: --device cuda needs a CUDA GPU, and this "
                            f"torch ({torch.__version__}) sees none; run with --device cpu\n")
+    if args.cuda_memcpy_segment_bytes is not None:
+        problem = _memcpy_route_problem(args.device)
+        if problem:
+            parser.exit(2, f"{parser.prog} {args.command}: error: --cuda-memcpy-segment-bytes {problem}\n")
+        from .. import ops
+        ops.set_cuda_memcpy_segment_bytes(args.cuda_memcpy_segment_bytes)  # rank workers get it too
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -157,6 +174,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.exit(2, f"{parser.prog}: error: --plot needs matplotlib (pip install matplotlib, or "
                            "bash scripts/setup_env.sh)\n")
     return run(args)
+
+
+def _memcpy_route_problem(device: str) -> Optional[str]:
+    if device != "cuda":
+        return "applies to --device cuda only: CPU copies have no such route"
+    from .. import ops
+    if not ops.native_available():
+        return "needs the compiled ops, which are not loaded (python -m zero_lifetime.env_report)"
+    return None
 
 
 def summary_lines(results: List[dict]) -> List[str]:

@@ -51,6 +51,8 @@ def environment(device: str, ranks: int) -> Dict[str, object]:
         "deepspeed": _version("deepspeed"),
         "python": platform.python_version(),
         "fused_ops": "compiled" if ops.native_available() else "pure-torch reference",
+        # From these segment bytes CUDA fused copies without a cast or scale use cudaMemcpyAsync.
+        "cuda_memcpy_segment_bytes": ops.cuda_memcpy_segment_bytes() if ops.native_available() else None,
         "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, "-m", "zero_lifetime.bench", *sys.argv[1:]]),
@@ -59,6 +61,10 @@ def environment(device: str, ranks: int) -> Dict[str, object]:
 
 def describe(env: Dict[str, object]) -> str:
     commit = (env["git_commit"] or "unknown")[:10]
+    route = env.get("cuda_memcpy_segment_bytes")
+    # INT64_MAX (sys.maxsize), the library's default, means never.
+    on_cuda = env["device"] == "cuda" and route is not None and route < sys.maxsize
     return (f"# {env['date']}  device {env['device']} ({env['device_name']}), {env['ranks']} rank(s), "
             f"torch {env['torch']} (threads {env['torch_threads']}), DeepSpeed {env['deepspeed']}, "
-            f"fused ops {env['fused_ops']}, commit {commit}")
+            f"fused ops {env['fused_ops']}" + (f", cudaMemcpyAsync route from {route} B segments" if on_cuda else "")
+            + f", commit {commit}")

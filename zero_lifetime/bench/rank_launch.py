@@ -19,6 +19,8 @@ import sys
 import tempfile
 from typing import Callable, List
 
+_COPY_ROUTE = "cuda_memcpy_segment_bytes"  # the launcher's setting, in the spec each rank reads
+
 
 def run_ranks(argv: List[str], ranks: int, device: str, timeout_s: float, what: str) -> None:
     """Run ``argv`` in ``ranks`` processes; RuntimeError with the first failed rank's log tail."""
@@ -53,6 +55,9 @@ def run_worker(module: str, spec: dict, ranks: int, device: str, timeout_s: floa
                progress=None) -> list:
     """``python -m <module> --worker SPEC OUT`` on ``ranks`` ranks; returns the results rank 0
     wrote, each a step of ``progress`` (a ``report.Progress``) when given."""
+    from .. import ops
+    if ops.native_available():  # each rank copies as this process does (bench --cuda-memcpy-segment-bytes)
+        spec = {**spec, _COPY_ROUTE: ops.cuda_memcpy_segment_bytes()}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "rank0.json")
         with open(spec_path, "w") as f:
@@ -72,7 +77,11 @@ def worker_main(work: Callable[[dict], list]) -> None:
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
     spec_path, out_path = parser.parse_args().worker
     with open(spec_path) as f:
-        results = work(json.load(f))
+        spec = json.load(f)
+    if _COPY_ROUTE in spec:
+        from .. import ops
+        ops.set_cuda_memcpy_segment_bytes(spec.pop(_COPY_ROUTE))
+    results = work(spec)
     import torch.distributed as dist
     from ..single_rank import exit_without_finalizing
     if dist.get_rank() == 0:
