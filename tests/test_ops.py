@@ -652,11 +652,13 @@ def test_forced_python_fallback_gives_identical_results(tmp_path):
     assert_same(out, python_result["out"])
 
 
-@pytest.mark.parametrize("setting, is_default", [
-    ("streaming_store_threshold", lambda value: value > 0),  # from this machine's cache
-    ("cuda_memcpy_segment_bytes", lambda value: value == 2**63 - 1),  # never, until a GPU run measures it
+@pytest.mark.parametrize("setting, is_default, refusal", [
+    ("streaming_store_threshold", lambda value: value > 0,  # from this machine's cache
+     "streaming store threshold must be >= 0 bytes, got -1"),
+    ("cuda_memcpy_segment_bytes", lambda value: value == 2**63 - 1,  # never, until a GPU run measures it
+     "CUDA memcpy segment bytes must be >= 0, got -1"),
 ])
-def test_copy_settings_are_settable_and_checked(setting, is_default):
+def test_copy_settings_are_settable_and_checked(setting, is_default, refusal):
     _native_ops("cpu")
     get, set_ = getattr(ops, setting), getattr(ops, f"set_{setting}")
     default = get()
@@ -664,7 +666,7 @@ def test_copy_settings_are_settable_and_checked(setting, is_default):
     previous = set_(123)
     try:
         assert previous == default and get() == 123
-        with pytest.raises(RuntimeError, match="must be >= 0"):
+        with pytest.raises(RuntimeError, match=refusal):
             set_(-1)
         assert get() == 123
     finally:
