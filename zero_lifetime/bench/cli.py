@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="processes for `gather` and `step` (2: also the real coalesced all-gather and the "
                              "steps on 2 ranks, gloo on CPU); default 1")
     common.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (CI, the demo)")
-    common.add_argument("--repeats", type=_positive_int, default=None,
+    common.add_argument("--repeats", type=_int_at_least(1), default=None,
                         help="timed rounds per case (default: 15, step 20; --quick: 5, step 3)")
     common.add_argument("--json", metavar="PATH", help="write every raw sample and the environment here")
     common.add_argument("--plot", metavar="PATH", help="write a PNG: bandwidth vs size per method, roofline drawn")
-    common.add_argument("--cuda-memcpy-segment-bytes", metavar="N", type=_non_negative_int, default=None,
+    common.add_argument("--cuda-memcpy-segment-bytes", metavar="N", type=_int_at_least(0), default=None,
                         help="with --device cuda: fused copies without a cast or scale whose segments all hold "
                              ">= N bytes run as cudaMemcpyAsync calls (ops.set_cuda_memcpy_segment_bytes; "
                              "default: the library's)")
@@ -72,18 +72,14 @@ def deepspeed_problem() -> Optional[str]:
     return None
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+def _int_at_least(low: int):
+    """An argparse type: an int of at least ``low``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
 
 
 def _fraction(text: str) -> float:
