@@ -39,8 +39,12 @@ def route_wins(direct: dict, memcpy: dict) -> bool:
 def threshold(rows: List[dict]) -> Optional[int]:
     """The smallest segment bytes from which the route won every case at or above it; None when
     it lost the case with the largest segments, or no case ran both ways."""
+    return _threshold_of(comparisons(rows))
+
+
+def _threshold_of(pairs) -> Optional[int]:
     found = None
-    for _, segment_bytes, direct, memcpy in reversed(comparisons(rows)):
+    for _, segment_bytes, direct, memcpy in reversed(pairs):
         if not route_wins(direct, memcpy):
             break
         found = segment_bytes
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
         print(f"{case:<30} segments of {segment_bytes:>10} B: kernel {direct['kernel_s'] * 1e6:8.1f} us device, "
               f"{direct['wall_s'] * 1e6:8.1f} us wall; route {memcpy['kernel_s'] * 1e6:8.1f} / "
               f"{memcpy['wall_s'] * 1e6:8.1f} us: {verdict}", file=sys.stderr)
-    found = threshold(rows)
+    found = _threshold_of(pairs)
     print(NEVER if found is None else found)
     return 0
 
