@@ -43,9 +43,6 @@ CASES = [  # (kind, tensors, elements each, source dtype)
 ]
 
 
-NEVER = 2**63 - 1  # ops.set_cuda_memcpy_segment_bytes: no segment is this large, the kernel always
-
-
 def routed(fn, memcpy_segment_bytes):
     """``fn`` after setting the CUDA memcpy route it is measured with."""
     def call():
@@ -80,10 +77,10 @@ def make_case(kind, n, numel, dtype, device):
     shape = {"bytes": nbytes, "segments": segments, "segment_bytes": segment_bytes}
     if device != "cuda":  # the route is CUDA's only
         return {"direct": fused, "dispatcher": dispatcher, "roofline": roofline}, shape
-    calls = {"direct": routed(fused, NEVER)}
+    calls = {"direct": routed(fused, ops.CUDA_MEMCPY_NEVER)}
     if same_dtype and segments <= ops.cuda_memcpy_max_segments():
         calls["memcpy"] = routed(fused, 0)
-    calls.update(dispatcher=routed(dispatcher, NEVER), roofline=roofline)
+    calls.update(dispatcher=routed(dispatcher, ops.CUDA_MEMCPY_NEVER), roofline=roofline)
     return calls, shape
 
 

@@ -24,7 +24,6 @@ initcheck sees no read of uninitialized memory in the comparison.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from typing import Callable, Iterator, List, Tuple
 
@@ -155,23 +154,11 @@ def gather_cases(device: str) -> Iterator[Case]:
     yield "gather table world 2", gather_case(device, 2, many, torch.float32, torch.float32, seed=80)
 
 
-@contextlib.contextmanager
-def memcpy_route(segment_bytes: int = 0):
-    """ops.set_cuda_memcpy_segment_bytes(segment_bytes) inside the block, the previous value
-    after it. 0: on CUDA, plans with no cast and no scale run as one cudaMemcpyAsync per
-    segment instead of the kernel (CPU copies ignore the setting)."""
-    from zero_lifetime import ops
-    previous = ops.set_cuda_memcpy_segment_bytes(segment_bytes)
-    try:
-        yield
-    finally:
-        ops.set_cuda_memcpy_segment_bytes(previous)
-
-
 def with_memcpy_route(run):
-    """``run`` with the memcpy route forced."""
+    """``run`` with the memcpy route forced (CPU copies ignore the setting)."""
     def forced():
-        with memcpy_route():
+        from zero_lifetime import ops
+        with ops.cuda_memcpy_route():
             return run()
     return forced
 

@@ -209,6 +209,33 @@ def test_memcpy_route_option_is_refused_where_it_cannot_apply(argv, expected, ca
     assert expected in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("run_fails", [False, True])
+def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
+    """The option is the run's setting, not the caller's: cli.main([...]) from Python leaves the
+    route as it found it, also when the run raises. The GPU is stood in for (torch sees one, the
+    run records the route it saw); the real CUDA run is the GPU-only test below."""
+    from zero_lifetime import ops
+    seen = []
+
+    def fake_run(args):
+        seen.append(ops.cuda_memcpy_segment_bytes())
+        if run_fails:
+            raise RuntimeError("run failed")
+        return 0
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(cli, "run", fake_run)
+    before = ops.cuda_memcpy_segment_bytes()
+    argv = ["bucket", "--quick", "--device", "cuda", "--cuda-memcpy-segment-bytes", "4096"]
+    if run_fails:
+        with pytest.raises(RuntimeError, match="run failed"):
+            cli.main(argv)
+    else:
+        assert cli.main(argv) == 0
+    assert seen == [4096]
+    assert ops.cuda_memcpy_segment_bytes() == before != 4096
+
+
 def test_rank_workers_copy_with_the_launchers_memcpy_route(tmp_path, monkeypatch):
     """bench --cuda-memcpy-segment-bytes sets the route in the launching process; the ranks of
     `gather --ranks 2` and `step --ranks 2` are processes of their own and must get it too."""
@@ -223,11 +250,8 @@ def test_rank_workers_copy_with_the_launchers_memcpy_route(tmp_path, monkeypatch
         "    return [{'case': 'probe', 'route': ops.cuda_memcpy_segment_bytes(), 'spec': sorted(spec)}]\n"
         "worker_main(work)\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO_ROOT}")
-    previous = ops.set_cuda_memcpy_segment_bytes(123457)
-    try:
+    with ops.cuda_memcpy_route(123457):
         results = run_worker("route_probe_worker", {"device": "cpu"}, 2, "cpu", 120, "probe")
-    finally:
-        ops.set_cuda_memcpy_segment_bytes(previous)
     assert results == [{"case": "probe", "route": 123457, "spec": ["device"]}]
 
 
@@ -239,3 +263,15 @@ def test_cuda_bench_records_the_memcpy_route_it_ran_with(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "cudaMemcpyAsync route from 4096 B segments" in proc.stdout
     assert json.loads(out.read_text())["environment"]["cuda_memcpy_segment_bytes"] == 4096
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no GPU")
+def test_cuda_bench_run_in_process_gives_the_memcpy_route_back(tmp_path):
+    """The option is the run's setting, not the caller's: cli.main([...]) from Python leaves
+    the route as it found it."""
+    from zero_lifetime import ops
+    before = ops.cuda_memcpy_segment_bytes()
+    assert cli.main(["bucket", "--quick", "--repeats", "1", "--device", "cuda", "--cuda-memcpy-segment-bytes",
+                     "4096", "--json", str(tmp_path / "bucket.json")]) == 0
+    assert json.loads((tmp_path / "bucket.json").read_text())["environment"]["cuda_memcpy_segment_bytes"] == 4096
+    assert ops.cuda_memcpy_segment_bytes() == before

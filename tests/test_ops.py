@@ -439,7 +439,7 @@ def test_segment_counts_around_the_inline_limit(device, count, route):
 @pytest.fixture
 def memcpy_route_forced():
     _native_ops("cpu")
-    with kernel_paths.memcpy_route():
+    with ops.cuda_memcpy_route():
         yield
 
 
@@ -524,9 +524,9 @@ def test_cuda_memcpy_route_is_off_by_default_and_by_size():
     def fill():
         ops.bucket_fill(buffer, tensors, [0, 2**16])
     observed = [(_cuda_activity(fill), False)]
-    with kernel_paths.memcpy_route(2**16 * 4):  # exactly each segment's bytes
+    with ops.cuda_memcpy_route(2**16 * 4):  # exactly each segment's bytes
         observed.append((_cuda_activity(fill), True))
-    with kernel_paths.memcpy_route(2**16 * 4 + 1):
+    with ops.cuda_memcpy_route(2**16 * 4 + 1):
         observed.append((_cuda_activity(fill), False))
     assert_same(buffer, torch.cat(tensors))
     _assert_routes(observed)
@@ -655,7 +655,7 @@ def test_forced_python_fallback_gives_identical_results(tmp_path):
 @pytest.mark.parametrize("setting, is_default, refusal", [
     ("streaming_store_threshold", lambda value: value > 0,  # from this machine's cache
      "streaming store threshold must be >= 0 bytes, got -1"),
-    ("cuda_memcpy_segment_bytes", lambda value: value == 2**63 - 1,  # never, until a GPU run measures it
+    ("cuda_memcpy_segment_bytes", lambda value: value == ops.CUDA_MEMCPY_NEVER,  # until a GPU run measures it
      "CUDA memcpy segment bytes must be >= 0, got -1"),
 ])
 def test_copy_settings_are_settable_and_checked(setting, is_default, refusal):

@@ -16,8 +16,9 @@ the compiled module's direct entry, else the same pure-torch loop.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,6 +36,11 @@ _warned = False
 # done) when the dispatcher is needed, and the op runs instead.
 _fast: Dict[str, Tuple[Callable, Callable]] = {}
 _FAST_DEVICE_TYPES = ("cpu", "cuda")
+
+# set_cuda_memcpy_segment_bytes(CUDA_MEMCPY_NEVER): no segment is this large, so the fused
+# kernel always runs. It is the compiled default (INT64_MAX in csrc/ops/copy_plan.cpp) until a
+# GPU run measures where the route wins.
+CUDA_MEMCPY_NEVER = 2**63 - 1
 
 
 def native_available() -> bool:
@@ -205,8 +211,20 @@ def cuda_memcpy_segment_bytes() -> int:
 
 def set_cuda_memcpy_segment_bytes(nbytes: int) -> int:
     """Set :func:`cuda_memcpy_segment_bytes` (0: whenever there is no cast or scale, a huge
-    value: never) for this process; returns the previous value."""
+    value: never, :data:`CUDA_MEMCPY_NEVER` the default) for this process; returns the
+    previous value. :func:`cuda_memcpy_route` sets it for a block."""
     return _compiled_module("set_cuda_memcpy_segment_bytes").set_cuda_memcpy_segment_bytes(int(nbytes))
+
+
+@contextlib.contextmanager
+def cuda_memcpy_route(segment_bytes: int = 0) -> Iterator[None]:
+    """:func:`set_cuda_memcpy_segment_bytes` inside the block, the previous value after it
+    (0: every CUDA copy with no cast and no scale takes the route)."""
+    previous = set_cuda_memcpy_segment_bytes(segment_bytes)
+    try:
+        yield
+    finally:
+        set_cuda_memcpy_segment_bytes(previous)
 
 
 def cuda_memcpy_max_segments() -> int:

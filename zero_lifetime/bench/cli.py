@@ -161,15 +161,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problem = _memcpy_route_problem(args.device)
         if problem:
             parser.exit(2, f"{parser.prog} {args.command}: error: --cuda-memcpy-segment-bytes {problem}\n")
-        from .. import ops
-        ops.set_cuda_memcpy_segment_bytes(args.cuda_memcpy_segment_bytes)  # rank workers get it too
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.exit(2, f"{parser.prog}: error: --plot needs matplotlib (pip install matplotlib, or "
                            "bash scripts/setup_env.sh)\n")
-    return run(args)
+    if args.cuda_memcpy_segment_bytes is None:
+        return run(args)
+    from .. import ops
+    # For this run only (rank workers get it too); a caller of main() keeps its own setting.
+    with ops.cuda_memcpy_route(args.cuda_memcpy_segment_bytes):
+        return run(args)
 
 
 def _memcpy_route_problem(device: str) -> Optional[str]:

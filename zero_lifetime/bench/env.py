@@ -62,8 +62,8 @@ def environment(device: str, ranks: int) -> Dict[str, object]:
 def describe(env: Dict[str, object]) -> str:
     commit = (env["git_commit"] or "unknown")[:10]
     route = env.get("cuda_memcpy_segment_bytes")
-    # INT64_MAX (sys.maxsize), the library's default, means never.
-    on_cuda = env["device"] == "cuda" and route is not None and route < sys.maxsize
+    from ..ops import CUDA_MEMCPY_NEVER
+    on_cuda = env["device"] == "cuda" and route is not None and route < CUDA_MEMCPY_NEVER
     return (f"# {env['date']}  device {env['device']} ({env['device_name']}), {env['ranks']} rank(s), "
             f"torch {env['torch']} (threads {env['torch_threads']}), DeepSpeed {env['deepspeed']}, "
             f"fused ops {env['fused_ops']}" + (f", cudaMemcpyAsync route from {route} B segments" if on_cuda else "")
