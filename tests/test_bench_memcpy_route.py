@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from profile_rows import profile_row
 from zero_lifetime.bench.memcpy_route import threshold
 
 
@@ -16,9 +17,8 @@ def _rows(*cases):
     for segment_bytes, direct, memcpy in cases:
         case = f"fill 16 x {segment_bytes // 4} float32"
         ways = {"direct": direct, "roofline": (1.0, 1.0), **({"memcpy": memcpy} if memcpy else {})}
-        for way, (kernel_us, wall_us) in ways.items():
-            rows.append({"case": case, "way": way, "kernel_s": kernel_us * 1e-6, "wall_s": wall_us * 1e-6,
-                         "segment_bytes": segment_bytes, "segments": 16})
+        rows += [profile_row(case, way, kernel_us, wall_us, segment_bytes)
+                 for way, (kernel_us, wall_us) in ways.items()]
     return rows
 
 

@@ -13,6 +13,8 @@ import subprocess
 import tarfile
 import time
 
+from profile_rows import profile_row
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,11 +78,6 @@ def test_unknown_phase_is_an_error(tmp_path):
     assert "unknown phase: benchmark" in result.stdout
 
 
-def _profile_row(case, way, kernel_us, wall_us, segment_bytes):
-    return {"case": case, "way": way, "kernel_s": kernel_us * 1e-6, "wall_s": wall_us * 1e-6,
-            "segment_bytes": segment_bytes, "segments": 16}
-
-
 def _run_route(tmp_path, rows):
     """gpu_check.sh route after a bench phase that left profile_cuda.json with ROWS (None: no file)."""
     work = tmp_path / "out" / "gpu_check"
@@ -99,10 +96,10 @@ def test_route_phase_benches_again_with_the_route_from_where_it_won(tmp_path):
     """One device call brings back the kernel's figures (bench) and the route's (route): here the
     route won from 4 MiB segments, so bench bucket and gather run with it from there. (On this
     machine they stop at --device cuda, with the option on their command line.)"""
-    rows = [_profile_row("fill 16 x 512K", "direct", 100, 120, 2 << 20),
-            _profile_row("fill 16 x 512K", "memcpy", 140, 150, 2 << 20),
-            _profile_row("fill 16 x 1M", "direct", 150, 160, 4 << 20),
-            _profile_row("fill 16 x 1M", "memcpy", 100, 120, 4 << 20)]
+    rows = [profile_row("fill 16 x 512K", "direct", 100, 120, 2 << 20),
+            profile_row("fill 16 x 512K", "memcpy", 140, 150, 2 << 20),
+            profile_row("fill 16 x 1M", "direct", 150, 160, 4 << 20),
+            profile_row("fill 16 x 1M", "memcpy", 100, 120, 4 << 20)]
     result, summary = _run_route(tmp_path, rows)
     for bench in ("bucket", "gather"):
         assert re.search(rf"== bench_route_{bench} \(at most \d+s\): python3 -m zero_lifetime.bench {bench} "
@@ -112,8 +109,8 @@ def test_route_phase_benches_again_with_the_route_from_where_it_won(tmp_path):
 
 
 def test_route_phase_runs_nothing_more_when_the_kernel_won(tmp_path):
-    rows = [_profile_row("fill 16 x 1M", "direct", 100, 120, 4 << 20),
-            _profile_row("fill 16 x 1M", "memcpy", 140, 150, 4 << 20)]
+    rows = [profile_row("fill 16 x 1M", "direct", 100, 120, 4 << 20),
+            profile_row("fill 16 x 1M", "memcpy", 140, 150, 4 << 20)]
     result, summary = _run_route(tmp_path, rows)
     assert result.returncode == 0, summary
     assert "== route: the kernel won a case with the largest segments; nothing more to run" in summary
