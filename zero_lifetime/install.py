@@ -100,6 +100,7 @@ class Installation:
         # shard (the one that makes their gradient ready) has not come yet.
         self._shards_pending = set()
         self._latest_forward = _ForwardOutputs()
+        self._latest_output_hook = self._make_output_hook(self._latest_forward)  # its outputs' hook
         # Forwards whose outputs may still be backpropagated through (pruned as their hook
         # managers die): a backward over several of them must run DeepSpeed's prologue once.
         self._live_forwards = []
@@ -256,8 +257,7 @@ class Installation:
             tensors = list(tensors_in(output))
             managers = self.backward.output_hook_managers(tensors)
             if self.output_views is not None and self.engine.gradient_accumulation_steps() > 1:
-                output = self.output_views.divided_at_views(output, managers,
-                                                            self._make_output_hook(self._latest_forward))
+                output = self.output_views.divided_at_views(output, managers, self._latest_output_hook)
                 tensors = list(tensors_in(output))
             self._latest_forward.set_managers(managers)
             self.backward.scale_outputs_only_when(managers, self._pass_accumulates, division.note)
@@ -393,10 +393,11 @@ class Installation:
             self.lifetime.after_forward()
         forward = _ForwardOutputs()
         self._latest_forward = forward
+        self._latest_output_hook = self._make_output_hook(forward)  # the views of _forward get it too
         self._live_forwards = [f for f in self._live_forwards if f.alive()] + [forward]
         for tensor in tensors_in(output):
             if tensor.grad_fn is not None:
-                tensor.register_hook(self._make_output_hook(forward))
+                tensor.register_hook(self._latest_output_hook)
         return None
 
     def _make_output_hook(self, forward):
