@@ -93,6 +93,7 @@ def _run(sc, rank):
     import deepspeed
     import zero_lifetime
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from harness import backward_both
     from zero_lifetime.adapters.zero12_flat_buffers import detach_flat_buffers
 
     model = _model(sc["ep"])
@@ -109,12 +110,8 @@ def _run(sc, rank):
         first, second = _losses(*engine(_batch(step, rank)))
         if sc["backwards"] == "summed":
             engine.backward(first + second)
-        elif sc["path"] == "engine":
-            engine.backward(first, retain_graph=True)
-            engine.backward(second)
-        else:
-            first.backward(retain_graph=True)
-            second.backward()
+        else:  # "engine" or "manual" (loss.backward())
+            backward_both(engine, first, second, sc["path"], zero_grad=False)
         engine.step()
     want = _oracle_weights(STEPS)
     record = {"abs_diff": {name: (p.detach() - want[_oracle_name(name, sc["ep"], rank)]).abs().max().item()
