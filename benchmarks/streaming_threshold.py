@@ -32,11 +32,8 @@ NEVER = 1 << 62
 
 def _with_threshold(threshold, fn):
     def run():
-        previous = ops.set_streaming_store_threshold(threshold)
-        try:
+        with ops.streaming_stores(threshold):
             fn()
-        finally:
-            ops.set_streaming_store_threshold(previous)
     return run
 
 

@@ -673,6 +673,22 @@ def test_copy_settings_are_settable_and_checked(setting, is_default, refusal):
         set_(default)
 
 
+@pytest.mark.parametrize("setting, block", [("streaming_store_threshold", "streaming_stores"),
+                                            ("cuda_memcpy_segment_bytes", "cuda_memcpy_route")])
+def test_copy_setting_blocks_give_the_previous_value_back(setting, block):
+    _native_ops("cpu")
+    get = getattr(ops, setting)
+    before = get()
+    with getattr(ops, block)(123):
+        assert get() == 123
+    assert get() == before
+    with pytest.raises(KeyError):
+        with getattr(ops, block)(456):
+            assert get() == 456
+            raise KeyError("the block failed")
+    assert get() == before
+
+
 def _sysfs_cache(root, index, level, kind, size):
     entry = root / "cache" / f"index{index}"
     entry.mkdir(parents=True)
@@ -740,11 +756,8 @@ def test_destinations_past_the_streaming_threshold(src_dtype, dst_dtype):
     # The default threshold is the machine's last-level cache (up to hundreds of MB): a
     # fixed one keeps the test small; the streaming path is the same code.
     threshold = 4 << 20
-    previous = ops.set_streaming_store_threshold(threshold)
-    try:
+    with ops.streaming_stores(threshold):
         _check_streaming_stores(src_dtype, dst_dtype, threshold)
-    finally:
-        ops.set_streaming_store_threshold(previous)
 
 
 def _check_streaming_stores(src_dtype, dst_dtype, threshold):

@@ -35,11 +35,8 @@ def store_path(request):
         return
     if not ops.native_available():
         pytest.skip("compiled extension unavailable")
-    previous = ops.set_streaming_store_threshold(0)
-    try:
+    with ops.streaming_stores(0):
         yield request.param
-    finally:
-        ops.set_streaming_store_threshold(previous)
 
 
 def _native_or_skip():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -196,8 +196,14 @@ def streaming_store_threshold() -> int:
 
 def set_streaming_store_threshold(nbytes: int) -> int:
     """Set :func:`streaming_store_threshold` (0: always, a huge value: never) for this process;
-    returns the previous value."""
+    returns the previous value. :func:`streaming_stores` sets it for a block."""
     return _compiled_module("set_streaming_store_threshold").set_streaming_store_threshold(int(nbytes))
+
+
+def streaming_stores(threshold_bytes: int = 0) -> ContextManager[None]:
+    """:func:`set_streaming_store_threshold` inside the block, the previous value after it
+    (0: every CPU fused copy writes with non-temporal stores)."""
+    return _setting_for_block(set_streaming_store_threshold, threshold_bytes)
 
 
 def cuda_memcpy_segment_bytes() -> int:
@@ -216,15 +222,21 @@ def set_cuda_memcpy_segment_bytes(nbytes: int) -> int:
     return _compiled_module("set_cuda_memcpy_segment_bytes").set_cuda_memcpy_segment_bytes(int(nbytes))
 
 
-@contextlib.contextmanager
-def cuda_memcpy_route(segment_bytes: int = 0) -> Iterator[None]:
+def cuda_memcpy_route(segment_bytes: int = 0) -> ContextManager[None]:
     """:func:`set_cuda_memcpy_segment_bytes` inside the block, the previous value after it
     (0: every CUDA copy with no cast and no scale takes the route)."""
-    previous = set_cuda_memcpy_segment_bytes(segment_bytes)
+    return _setting_for_block(set_cuda_memcpy_segment_bytes, segment_bytes)
+
+
+@contextlib.contextmanager
+def _setting_for_block(set_setting: Callable[[int], int], value: int) -> Iterator[None]:
+    """A process-wide copy setting set for a block: the setter returns the value it replaced,
+    which is put back however the block ends."""
+    previous = set_setting(value)
     try:
         yield
     finally:
-        set_cuda_memcpy_segment_bytes(previous)
+        set_setting(previous)
 
 
 def cuda_memcpy_max_segments() -> int:
