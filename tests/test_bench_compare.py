@@ -98,6 +98,27 @@ def test_cases_of_one_run_only_and_other_experiments_are_reported(tmp_path, caps
     assert "WARNING: different experiments, command: " in out
 
 
+def test_a_different_cuda_memcpy_route_makes_a_different_experiment(tmp_path, capsys):
+    """The same command measures another copy path when the compiled default route changed
+    between the runs; a run recorded before the route existed never took it."""
+    from zero_lifetime.ops import CUDA_MEMCPY_NEVER
+    cuda = {"device": "cuda", "device_name": "Some GPU"}
+    results = [case("A", [1.0, 1.0])]
+    older = run_file(tmp_path, "older.json", results, **cuda)  # no route field: before the route
+    never = run_file(tmp_path, "never.json", results, cuda_memcpy_segment_bytes=CUDA_MEMCPY_NEVER, **cuda)
+    routed = run_file(tmp_path, "routed.json", results, cuda_memcpy_segment_bytes=1 << 20, **cuda)
+    status, out = compared(tmp_path, older, never, capsys)
+    assert status == 0 and "WARNING" not in out, out
+    status, out = compared(tmp_path, older, routed, capsys)
+    assert status == 0  # still compared, with the warning
+    assert "WARNING: different experiments, cudaMemcpyAsync route: never vs from 1048576 B segments" in out
+    # On the CPU the route takes no part: its recorded setting does not tell runs apart.
+    cpu_never = run_file(tmp_path, "cpu_never.json", results, cuda_memcpy_segment_bytes=CUDA_MEMCPY_NEVER)
+    cpu_routed = run_file(tmp_path, "cpu_routed.json", results, cuda_memcpy_segment_bytes=1 << 20)
+    status, out = compared(tmp_path, cpu_never, cpu_routed, capsys)
+    assert status == 0 and "WARNING" not in out, out
+
+
 @pytest.mark.parametrize("content, message", [
     ("not json", "cannot read a benchmark JSON"),
     ('{"rows": []}', "expected the keys environment, results, targets"),

@@ -13,7 +13,8 @@ new heap layout and page placement, which moves ratios by more than one run's ro
 (met / MISSED) are compared too, and peak gathered bytes (the same within the tolerance).
 
 Exit status: 0 when every ratio, target verdict and peak agrees, 1 otherwise, 2
-when a file cannot be read as a benchmark's JSON. Runs on different devices or commands are
+when a file cannot be read as a benchmark's JSON. Runs on different devices or commands, or
+CUDA runs whose fused copies took the cudaMemcpyAsync route from different segment sizes, are
 still compared, with a warning: that is not a reproducibility check.
 """
 
@@ -163,10 +164,24 @@ def experiment_differences(first: dict, second: dict) -> List[str]:
     """What makes the two runs different experiments (device, versions, command), if anything."""
     env1, env2 = first["environment"], second["environment"]
     out = [f"{key}: {env1.get(key)} vs {env2.get(key)}" for key in SAME_EXPERIMENT if env1.get(key) != env2.get(key)]
+    if env1.get("device") == env2.get("device") == "cuda":  # the route changes what a CUDA run measures only
+        route1, route2 = _cuda_memcpy_route(env1), _cuda_memcpy_route(env2)
+        if route1 != route2:
+            out.append(f"cudaMemcpyAsync route: {route1} vs {route2}")
     cmd1, cmd2 = _measured_command(env1.get("command", "")), _measured_command(env2.get("command", ""))
     if cmd1 != cmd2:
         out.append(f"command: {' '.join(cmd1)} vs {' '.join(cmd2)}")
     return out
+
+
+def _cuda_memcpy_route(env: dict) -> str:
+    """From which segment size a CUDA run's fused copies took cudaMemcpyAsync. Runs recorded
+    before the route existed, and runs without the compiled ops, never took it."""
+    from ..ops import CUDA_MEMCPY_NEVER
+    segment_bytes = env.get("cuda_memcpy_segment_bytes")
+    if segment_bytes is None or segment_bytes >= CUDA_MEMCPY_NEVER:
+        return "never"
+    return f"from {segment_bytes} B segments"
 
 
 def _measured_command(command: str) -> List[str]:
