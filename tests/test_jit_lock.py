@@ -92,8 +92,8 @@ def test_jit_load_fails_fast_on_a_stale_lock(tmp_path):
 
 
 def test_the_lock_kind_is_what_torch_locks_its_builds_with():
-    """FileBaton (a file that exists while a build runs) up to torch 2.14; an advisory lock
-    on a file that stays, from torch 2.15. Told apart by what _jit_compile calls."""
+    """FileBaton (a file that exists while a build runs) up to torch 2.13; an advisory lock
+    on a file that stays in torch 2.14.1 and 2.15. Told apart by what _jit_compile calls."""
     import inspect
     from types import SimpleNamespace
 
@@ -105,9 +105,9 @@ def test_the_lock_kind_is_what_torch_locks_its_builds_with():
 
 
 def test_jit_load_ignores_the_lock_file_an_advisory_lock_leaves(tmp_path):
-    """torch >= 2.15 leaves <build_dir>/lock after every build: a later run must go straight
+    """torch 2.14.1 and 2.15 leave <build_dir>/lock after every build: a later run must go straight
     to torch's load (which takes the advisory lock itself), not wait out the timeout.
-    Here torch 2.15 is imitated (no FileBaton) and its load replaced, to see what is called."""
+    Here such a torch is imitated (no FileBaton) and its load replaced, to see what is called."""
     done = _jit_load_over_an_old_lock(tmp_path, lock_timeout_s=5, lock_age_s=3600, setup="""
         from torch.utils import cpp_extension
         if hasattr(cpp_extension, "FileBaton"):

@@ -704,7 +704,7 @@ def test_two_processes_jit_build_once(tmp_path):
     if _native.cuda_build_enabled():
         expected += [Path(s).stem + ".cuda.o" for s in _native.CUDA_SOURCES]
     assert sorted(o for o in outputs_built if o.endswith(".o")) == sorted(expected)
-    # A later run loads the cached build. From torch 2.15 <build_dir>/lock stays after every
+    # A later run loads the cached build. From torch 2.14.1 <build_dir>/lock stays after every
     # build (an advisory lock's file): taken for a held lock, it would be waited on until the
     # timeout and then reported as stale.
     later = _run_python(code, dict(env, ZERO_LIFETIME_JIT_LOCK_TIMEOUT="20"))

@@ -1,4 +1,4 @@
-"""torch JIT build locks a killed build left behind (torch's FileBaton, torch up to 2.14).
+"""torch JIT build locks a killed build left behind (torch's FileBaton, torch up to 2.13).
 
 ``torch.utils.cpp_extension.load`` takes ``<build_dir>/lock`` by creating the file and waits,
 for ever, while it exists. A build killed half-way (a rank killed by its launcher, Ctrl-C, a
@@ -57,9 +57,9 @@ def _newest_activity(build_dir: Path) -> float:
 
 def torch_build_lock_is_a_file_baton(cpp_extension: Any = None) -> bool:
     """Whether torch's JIT build lock is a FileBaton: ``<build_dir>/lock`` exists exactly while
-    a build holds it (torch up to 2.14).
+    a build holds it (torch up to 2.13).
 
-    torch 2.15 holds an OS advisory lock (filelock) on the same path instead: the file stays
+    torch 2.14.1 and 2.15 hold an OS advisory lock (filelock) on the same path instead: the file stays
     after every build, and the kernel frees the lock of a builder that died. Waiting on that
     file's existence would make every run after the first build wait out the timeout and
     fall back to the Python tracker (seen with torch 2.15.0), and torch's own lock needs no help.
