@@ -163,8 +163,8 @@ def test_sweep_removes_only_the_locks_of_idle_builds(tmp_path, monkeypatch, caps
 def test_import_warns_about_a_stale_lock_only(tmp_path):
     """``import zero_lifetime`` comes before deepspeed.initialize, which would hang on the lock
     without a word: the import names it. A build still writing gets no warning."""
-    killed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", age_s=3600)
-    live = _build_dir(tmp_path, "py311_cpu/live_ext", age_s=3600)
+    killed = _build_dir(tmp_path, "deepspeed_shm_comm", age_s=3600)  # TORCH_EXTENSIONS_DIR: no py<ver> folder
+    live = _build_dir(tmp_path, "live_ext", age_s=3600)
     (live / "fresh.o").write_text("")
 
     def import_warnings(root):
@@ -188,7 +188,7 @@ def test_command_line_as_setup_env_runs_it(tmp_path, spelling):
     """The command scripts/setup_env.sh runs, over the extensions root the environment names:
     exit codes, and no warning on the way: neither runpy's nor the import's about the very
     locks the command removes (under -W error either would stop it first)."""
-    killed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", age_s=3600)
+    killed = _build_dir(tmp_path, "deepspeed_shm_comm", age_s=3600)
     command = [sys.executable, "-W", "error::RuntimeWarning", *spelling]
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), ZERO_LIFETIME_JIT_LOCK_TIMEOUT="600")
     check = subprocess.run(command + ["--check"], env=env, capture_output=True, text=True, timeout=120)
@@ -197,3 +197,54 @@ def test_command_line_as_setup_env_runs_it(tmp_path, spelling):
     clear = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert clear.returncode == 0 and not (killed / "lock").exists(), clear.stdout + clear.stderr
     assert "Warning" not in clear.stderr, clear.stderr
+
+
+def test_torch_ops_root_is_where_torch_builds_an_extension_given_no_directory(tmp_path, monkeypatch):
+    """Oracle: torch's own choice of build directory, for the default root (which follows
+    XDG_CACHE_HOME) and for TORCH_EXTENSIONS_DIR."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    torch_choice = Path(cpp_extension._get_build_directory("zl_probe", verbose=False)).parent
+    assert jit_locks.torch_ops_root().resolve() == torch_choice.resolve()
+    assert jit_locks.extensions_root().resolve() == (tmp_path / "cache" / "torch_extensions").resolve()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "explicit"))
+    torch_choice = Path(cpp_extension._get_build_directory("zl_probe", verbose=False)).parent
+    assert jit_locks.torch_ops_root() == torch_choice == tmp_path / "explicit"
+
+
+@pytest.mark.skipif(not torch_build_lock_is_a_file_baton(),
+                    reason="this torch locks JIT builds with an OS lock, which a killed build cannot leave held")
+@pytest.mark.parametrize("layout", ["default_root", "TORCH_EXTENSIONS_DIR"])
+def test_only_the_locks_a_build_here_waits_on_are_reported(tmp_path, monkeypatch, layout):
+    """Another environment sharing the cache with torch 2.14.1 or later leaves a lock file in
+    each of its builds (an OS lock's file, never removed): in its own py<ver>_<accelerator>
+    folder, and in its build of ours (another hash). No build here waits on those, so they are
+    neither reported nor removed (found when torch 2.13 warned about a torch 2.14.1 cache)."""
+    from zero_lifetime import _native
+
+    monkeypatch.setenv(JIT_LOCK_TIMEOUT_ENV, "600")
+    if layout == "default_root":
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        root = tmp_path / "torch_extensions"
+        ops = root / jit_locks.torch_ops_root().name
+        others = [root / "py311_cu999" / "cpu_adam"]  # another torch's folder
+    else:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+        root = ops = tmp_path
+        others = []
+    assert jit_locks.torch_ops_root() == ops
+    ours = _build_dir(root, _native.build_directory().name, age_s=3600)
+    deepspeed_op = _build_dir(ops, "deepspeed_shm_comm", age_s=3600)
+    others = [_build_dir(o.parent, o.name, age_s=3600) for o in others]
+    others.append(_build_dir(root, _native.EXTENSION_NAME + "_0123456789abcdef", age_s=3600))  # another torch's build of ours
+
+    assert [lock for lock, _ in jit_locks.stale_locks_here()] == sorted([ours / "lock", deepspeed_op / "lock"])
+    assert jit_locks.main([]) == 0
+    assert not (ours / "lock").exists() and not (deepspeed_op / "lock").exists()
+    assert all((other / "lock").exists() for other in others)
+    # Named on the command line, a root is swept whole.
+    assert jit_locks.main(["--root", str(root)]) == 0
+    assert not any((other / "lock").exists() for other in others)

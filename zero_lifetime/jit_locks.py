@@ -7,9 +7,10 @@ DeepSpeed's CPU comm op (``deepspeed_shm_comm``), which ``deepspeed.initialize``
 CPU machine, so every engine hangs. A live build keeps writing objects; a lock whose build
 directory has had nothing written for ``ZERO_LIFETIME_JIT_LOCK_TIMEOUT`` seconds is stale.
 
-``python -m zero_lifetime.clear_jit_locks`` removes the stale locks under the torch extensions
-directory (``scripts/setup_env.sh`` runs it) and says which; ``--check`` only lists them.
-``import zero_lifetime`` warns about them (:func:`warn_if_stale`).
+``python -m zero_lifetime.clear_jit_locks`` removes the stale locks a JIT build in this
+environment would wait on (``scripts/setup_env.sh`` runs it), or with ``--root DIR`` every stale
+lock under DIR, and says which; ``--check`` only lists them. ``import zero_lifetime`` warns
+about them (:func:`warn_if_stale`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,34 @@ class StaleBuildLockError(RuntimeError):
 
 
 def extensions_root() -> Path:
-    """Where torch JIT-builds extensions (one directory per extension below, or per
-    ``py<ver>_<device>`` directory and then per extension)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "torch_extensions")
-    return Path(root)
+    """Where torch JIT-builds extensions: ``TORCH_EXTENSIONS_DIR``, else torch's default root
+    (its user cache folder, which follows ``XDG_CACHE_HOME``). Ours builds in a directory of its
+    own right below it (``_native.build_directory``)."""
+    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        return Path(explicit)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def torch_ops_root() -> Path:
+    """Where ``cpp_extension.load`` builds an extension it is given no directory for (DeepSpeed's
+    JIT ops, one directory each): ``TORCH_EXTENSIONS_DIR``, else the ``py<ver>_<accelerator>``
+    folder below torch's default root that ``cpp_extension._get_build_directory`` names (not
+    called: it creates the directory). Other Pythons and torch builds use other folders."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return extensions_root()
+    import torch
+
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return extensions_root() / f"{python}_{accelerator}"
 
 
 def lock_timeout_s(timeout_s: Optional[float] = None) -> float:
@@ -89,16 +113,21 @@ def wait_for_build_lock(build_dir: Path, timeout_s: Optional[float] = None, poll
         time.sleep(poll_s)
 
 
-# Where a FileBaton lock sits below the extensions root: ``<ext>/lock`` or ``<py_device>/<ext>/lock``.
+# Where a FileBaton lock sits below a root named on the command line: ``<ext>/lock`` or
+# ``<py_device>/<ext>/lock``.
 _LOCK_PATTERNS = ("*/lock", "*/*/lock")
 
 
 def stale_locks(root: Path, timeout_s: Optional[float] = None) -> List[Tuple[Path, float]]:
-    """``(lock, seconds idle)`` for each FileBaton lock under ``root`` whose build directory has
-    been idle past the timeout."""
+    """``(lock, seconds idle)`` for each lock under ``root`` whose build directory has been
+    idle past the timeout."""
+    return _idle_past_timeout(sorted(lock for pattern in _LOCK_PATTERNS for lock in root.glob(pattern)), timeout_s)
+
+
+def _idle_past_timeout(locks: List[Path], timeout_s: Optional[float] = None) -> List[Tuple[Path, float]]:
     timeout_s = lock_timeout_s(timeout_s)
     found = []
-    for lock in sorted(lock for pattern in _LOCK_PATTERNS for lock in root.glob(pattern)):
+    for lock in locks:
         try:
             idle = time.time() - _newest_activity(lock.parent)
         except OSError:  # the build finished and removed it while we looked
@@ -108,17 +137,38 @@ def stale_locks(root: Path, timeout_s: Optional[float] = None) -> List[Tuple[Pat
     return found
 
 
+def locks_this_process_waits_on() -> List[Path]:
+    """The ``<ext>/lock`` files a JIT build in this process would wait on: DeepSpeed's ops'
+    (:func:`torch_ops_root`) and ours (named by the hash of our sources, torch and Python).
+
+    Nothing else: torch 2.14.1 and 2.15 leave their build's lock file behind (an OS lock's
+    file), so where another environment with such a torch shares the cache, its folder or its
+    build of ours holds lock files that no build here waits on, and a torch with FileBaton would
+    take them for stale."""
+    from . import _native
+
+    ours_prefix = _native.EXTENSION_NAME + "_"
+    own = _native.build_directory()
+    locks = [lock for lock in torch_ops_root().glob("*/lock")
+             if not lock.parent.name.startswith(ours_prefix) or lock.parent == own]
+    if own.parent != torch_ops_root() and (own / "lock").is_file():
+        locks.append(own / "lock")
+    return sorted(locks)
+
+
 def stale_locks_here(root: Optional[Path] = None) -> List[Tuple[Path, float]]:
-    """:func:`stale_locks` under ``root`` (default: :func:`extensions_root`), or none where this
-    torch's lock cannot go stale. Cheap when there is no lock at all (two directory listings,
-    torch not imported): ``import zero_lifetime`` runs it."""
-    root = extensions_root() if root is None else root
+    """The stale locks a JIT build in this process would wait on, or with ``root`` every stale
+    lock under it; none where this torch's lock cannot go stale. Cheap when there is no lock at
+    all under the extensions root (two directory listings): ``import zero_lifetime`` runs it."""
     try:
-        if not any(lock for pattern in _LOCK_PATTERNS for lock in root.glob(pattern)):
+        scanned = extensions_root() if root is None else root
+        if not any(lock for pattern in _LOCK_PATTERNS for lock in scanned.glob(pattern)):
             return []
         if not torch_build_lock_is_a_file_baton():
             return []  # an advisory lock dies with its builder: nothing can be stale
-        return stale_locks(root)
+        if root is not None:
+            return stale_locks(root)
+        return _idle_past_timeout(locks_this_process_waits_on())
     except OSError:
         return []
 
@@ -154,8 +204,8 @@ def warn_if_stale() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zero_lifetime.clear_jit_locks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=None, help="torch extensions directory (default: TORCH_EXTENSIONS_DIR "
-                        "or ~/.cache/torch_extensions)")
+    parser.add_argument("--root", type=Path, default=None, help="every lock under this directory (default: the locks a "
+                        "JIT build in this environment would wait on, under TORCH_EXTENSIONS_DIR or torch's cache)")
     parser.add_argument("--check", action="store_true", help="list the stale locks, remove nothing; exit 1 if any")
     args = parser.parse_args(argv)
     found = stale_locks_here(args.root)
