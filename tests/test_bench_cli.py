@@ -209,6 +209,26 @@ def test_memcpy_route_option_is_refused_where_it_cannot_apply(argv, expected, ca
     assert expected in capsys.readouterr().err
 
 
+def _compiled_ops():
+    from zero_lifetime import ops
+    return ops.native_available()
+
+
+NEEDS_COMPILED_OPS = pytest.mark.skipif(not _compiled_ops(), reason="compiled extension unavailable")
+
+
+def test_memcpy_route_option_is_refused_without_the_compiled_ops(monkeypatch, capsys):
+    """The pure-torch fallback has no such route: the option is refused, not ignored."""
+    from zero_lifetime import ops
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(ops, "native_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bucket", "--quick", "--device", "cuda", "--cuda-memcpy-segment-bytes", "4096"])
+    assert exc.value.code == 2
+    assert "--cuda-memcpy-segment-bytes needs the compiled ops, which are not loaded" in capsys.readouterr().err
+
+
+@NEEDS_COMPILED_OPS
 @pytest.mark.parametrize("run_fails", [False, True])
 def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
     """The option is the run's setting, not the caller's: cli.main([...]) from Python leaves the
@@ -236,6 +256,7 @@ def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
     assert ops.cuda_memcpy_segment_bytes() == before != 4096
 
 
+@NEEDS_COMPILED_OPS
 def test_rank_workers_copy_with_the_launchers_memcpy_route(tmp_path, monkeypatch):
     """bench --cuda-memcpy-segment-bytes sets the route in the launching process; the ranks of
     `gather --ranks 2` and `step --ranks 2` are processes of their own and must get it too."""

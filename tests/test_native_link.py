@@ -5,6 +5,7 @@ and the first TORCH_CHECK message with a number in it segfaulted inside that pri
 copy's iostreams (the fuzz tests' invalid cases). _native links libstdc++.so.6 by name.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from zero_lifetime import _native, ops
+from zero_lifetime import _native
 
 
 def _compiled_so():
@@ -41,9 +42,12 @@ def test_error_messages_with_numbers_do_not_crash(device):
             f"b = torch.zeros(4, device='{device}')\n"
             "for call in (lambda: ops.bucket_fill(b, [torch.ones(3, device=b.device)], [2]),\n"
             "             lambda: torch.ops.zero_lifetime.gather_copy_out(b, b[:2].clone(), [1], [3], 2)):\n"
-            "    try:\n        call()\n    except RuntimeError as e:\n        print('caught:', str(e).splitlines()[0])\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            "    try:\n        call()\n    except RuntimeError as e:\n        print('caught:', str(e).splitlines()[0])\n"
+            "print('compiled ops:', ops.native_available())\n")
+    # The compiled ops' messages: the child loads them also in a run that forces the Python fallback.
+    env = dict(os.environ, **{_native.FORCE_PYTHON_ENV: ""})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-2000:]}"
     caught = [line for line in done.stdout.splitlines() if line.startswith("caught:")]
     assert len(caught) == 2 and "out of bounds" in caught[0], done.stdout
-    assert ops.native_available()
+    assert "compiled ops: True" in done.stdout, done.stdout  # the messages were the compiled ops' own

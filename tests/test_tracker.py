@@ -754,7 +754,9 @@ def test_build_failure_falls_back_with_one_warning(tmp_path):
         assert st["impl"] == "python" and "no-such-compiler" in st["error"], st
         print("OK")
     """
-    proc = _run_python(code, {"CXX": "no-such-compiler", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    # A run with ZERO_LIFETIME_FORCE_PYTHON=1 would never try the build this test makes fail.
+    proc = _run_python(code, {"CXX": "no-such-compiler", "TORCH_EXTENSIONS_DIR": str(tmp_path),
+                              _native.FORCE_PYTHON_ENV: ""})
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "OK" in out, err
 
