@@ -209,12 +209,11 @@ def test_memcpy_route_option_is_refused_where_it_cannot_apply(argv, expected, ca
     assert expected in capsys.readouterr().err
 
 
-def _compiled_ops():
+def _compiled_ops_or_skip():
+    """As the ops tests do: at run time, not at collection (which would load or build the extension)."""
     from zero_lifetime import ops
-    return ops.native_available()
-
-
-NEEDS_COMPILED_OPS = pytest.mark.skipif(not _compiled_ops(), reason="compiled extension unavailable")
+    if not ops.native_available():
+        pytest.skip("compiled extension unavailable")
 
 
 def test_memcpy_route_option_is_refused_without_the_compiled_ops(monkeypatch, capsys):
@@ -228,12 +227,12 @@ def test_memcpy_route_option_is_refused_without_the_compiled_ops(monkeypatch, ca
     assert "--cuda-memcpy-segment-bytes needs the compiled ops, which are not loaded" in capsys.readouterr().err
 
 
-@NEEDS_COMPILED_OPS
 @pytest.mark.parametrize("run_fails", [False, True])
 def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
     """The option is the run's setting, not the caller's: cli.main([...]) from Python leaves the
     route as it found it, also when the run raises. The GPU is stood in for (torch sees one, the
     run records the route it saw); the real CUDA run is the GPU-only test below."""
+    _compiled_ops_or_skip()
     from zero_lifetime import ops
     seen = []
 
@@ -256,10 +255,10 @@ def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
     assert ops.cuda_memcpy_segment_bytes() == before != 4096
 
 
-@NEEDS_COMPILED_OPS
 def test_rank_workers_copy_with_the_launchers_memcpy_route(tmp_path, monkeypatch):
     """bench --cuda-memcpy-segment-bytes sets the route in the launching process; the ranks of
     `gather --ranks 2` and `step --ranks 2` are processes of their own and must get it too."""
+    _compiled_ops_or_skip()
     from zero_lifetime import ops
     from zero_lifetime.bench.rank_launch import run_worker
     (tmp_path / "route_probe_worker.py").write_text(

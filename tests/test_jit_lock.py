@@ -230,16 +230,16 @@ def test_only_the_locks_a_build_here_waits_on_are_reported(tmp_path, monkeypatch
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
         root = tmp_path / "torch_extensions"
         ops = root / jit_locks.torch_ops_root().name
-        others = [root / "py311_cu999" / "cpu_adam"]  # another torch's folder
+        other_names = ["py311_cu999/cpu_adam"]  # another torch's folder
     else:
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
         root = ops = tmp_path
-        others = []
+        other_names = []
+    other_names.append(_native.EXTENSION_NAME + "_0123456789abcdef")  # another torch's build of ours
     assert jit_locks.torch_ops_root() == ops
     ours = _build_dir(root, _native.build_directory().name, age_s=3600)
     deepspeed_op = _build_dir(ops, "deepspeed_shm_comm", age_s=3600)
-    others = [_build_dir(o.parent, o.name, age_s=3600) for o in others]
-    others.append(_build_dir(root, _native.EXTENSION_NAME + "_0123456789abcdef", age_s=3600))  # another torch's build of ours
+    others = [_build_dir(root, name, age_s=3600) for name in other_names]
 
     assert [lock for lock, _ in jit_locks.stale_locks_here()] == sorted([ours / "lock", deepspeed_op / "lock"])
     assert jit_locks.main([]) == 0

@@ -148,10 +148,10 @@ def locks_this_process_waits_on() -> List[Path]:
     from . import _native
 
     ours_prefix = _native.EXTENSION_NAME + "_"
-    own = _native.build_directory()
-    locks = [lock for lock in torch_ops_root().glob("*/lock")
+    own, ops_root = _native.build_directory(), torch_ops_root()
+    locks = [lock for lock in ops_root.glob("*/lock")
              if not lock.parent.name.startswith(ours_prefix) or lock.parent == own]
-    if own.parent != torch_ops_root() and (own / "lock").is_file():
+    if own.parent != ops_root and (own / "lock").is_file():
         locks.append(own / "lock")
     return sorted(locks)
 
