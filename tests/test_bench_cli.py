@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from compiled import compiled_ops_or_skip
 from rank_spawn import env_for_own_rank0
 from zero_lifetime.bench import cli, ds_paths, sizes
 from zero_lifetime.single_rank import shm_buffer_paths
@@ -209,13 +210,6 @@ def test_memcpy_route_option_is_refused_where_it_cannot_apply(argv, expected, ca
     assert expected in capsys.readouterr().err
 
 
-def _compiled_ops_or_skip():
-    """As the ops tests do: at run time, not at collection (which would load or build the extension)."""
-    from zero_lifetime import ops
-    if not ops.native_available():
-        pytest.skip("compiled extension unavailable")
-
-
 def test_memcpy_route_option_is_refused_without_the_compiled_ops(monkeypatch, capsys):
     """The pure-torch fallback has no such route: the option is refused, not ignored."""
     from zero_lifetime import ops
@@ -232,7 +226,7 @@ def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
     """The option is the run's setting, not the caller's: cli.main([...]) from Python leaves the
     route as it found it, also when the run raises. The GPU is stood in for (torch sees one, the
     run records the route it saw); the real CUDA run is the GPU-only test below."""
-    _compiled_ops_or_skip()
+    compiled_ops_or_skip()
     from zero_lifetime import ops
     seen = []
 
@@ -258,7 +252,7 @@ def test_memcpy_route_option_holds_for_the_run_only(run_fails, monkeypatch):
 def test_rank_workers_copy_with_the_launchers_memcpy_route(tmp_path, monkeypatch):
     """bench --cuda-memcpy-segment-bytes sets the route in the launching process; the ranks of
     `gather --ranks 2` and `step --ranks 2` are processes of their own and must get it too."""
-    _compiled_ops_or_skip()
+    compiled_ops_or_skip()
     from zero_lifetime import ops
     from zero_lifetime.bench.rank_launch import run_worker
     (tmp_path / "route_probe_worker.py").write_text(

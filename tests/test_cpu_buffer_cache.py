@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from compiled import compiled_ops_or_skip
 from zero_lifetime import ops
 
 CPU = torch.device("cpu")
@@ -12,8 +13,7 @@ MIB = 1 << 20
 @pytest.fixture
 def cache():
     """An empty cache with the default limit; the process's state restored afterwards."""
-    if not ops.native_available():
-        pytest.skip("compiled extension unavailable")
+    compiled_ops_or_skip()
     ops.empty_cpu_buffer_cache()
     limit = ops.set_cpu_buffer_cache_limit(256 * MIB)
     yield ops

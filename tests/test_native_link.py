@@ -13,14 +13,12 @@ import sys
 import pytest
 import torch
 
+from compiled import compiled_module_or_skip
 from zero_lifetime import _native
 
 
 def _compiled_so():
-    module = _native.load()
-    if module is None:
-        pytest.skip("compiled extension unavailable")
-    return module.__file__
+    return compiled_module_or_skip().__file__
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")

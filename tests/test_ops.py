@@ -16,9 +16,10 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from zero_lifetime import _native, ops, ops_reference
+from zero_lifetime import ops, ops_reference
 
 import kernel_paths  # tests/ is on sys.path (conftest.py)
+from compiled import compiled_module_or_skip, compiled_ops_or_skip
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -28,8 +29,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, re
 
 
 def _native_ops(device):
-    if not ops.native_available():
-        pytest.skip("compiled extension unavailable")
+    compiled_ops_or_skip()
     key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}[device]
     if not torch._C._dispatch_has_kernel_for_dispatch_key("zero_lifetime::bucket_fill", key):
         pytest.skip(f"extension built without {key} kernels")
@@ -78,7 +78,7 @@ class PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize("device", DEVICES)
 def test_direct_entries_apply_only_to_plain_tensors(device):
     _native_ops(device)
-    module = _native.load()
+    module = compiled_module_or_skip()
     fill, gather = module.bucket_fill_fast, module.gather_copy_out_fast
     buffer = torch.zeros(8, device=device)
     version = buffer._version
@@ -115,7 +115,7 @@ def test_direct_entries_apply_only_to_plain_tensors(device):
 def test_direct_entry_reads_thousands_of_sources_on_several_threads():
     """The direct entry reads its sources on the intra-op threads from 1024 up: one source it
     must decline, wherever it sits, declines the whole call before anything is written."""
-    fill = _native.load().bucket_fill_fast
+    fill = compiled_module_or_skip().bucket_fill_fast
     n = 3000
     sources = [torch.full((2,), float(i)) for i in range(n)]
     threads = torch.get_num_threads()

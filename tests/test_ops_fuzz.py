@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 
+from compiled import compiled_ops_or_skip
 from zero_lifetime import ops, ops_reference
 
 CASES = int(os.environ.get("ZL_FUZZ_CASES", "1500"))
@@ -33,15 +34,13 @@ def store_path(request):
     if request.param == "default_stores":
         yield request.param
         return
-    if not ops.native_available():
-        pytest.skip("compiled extension unavailable")
+    compiled_ops_or_skip()
     with ops.streaming_stores(0):
         yield request.param
 
 
 def _native_or_skip():
-    if not ops.native_available():
-        pytest.skip("compiled extension unavailable")
+    compiled_ops_or_skip()
     return torch.ops.zero_lifetime.bucket_fill.default, torch.ops.zero_lifetime.gather_copy_out.default
 
 

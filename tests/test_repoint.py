@@ -5,8 +5,9 @@ torch assignment DeepSpeed makes per gradient, written out here."""
 import pytest
 import torch
 
+from compiled import compiled_ops_or_skip
 from test_ops import RecordingDispatchMode
-from zero_lifetime import _native, ops, ops_reference
+from zero_lifetime import ops, ops_reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no GPU"))]
@@ -18,10 +19,7 @@ class _Sub(torch.Tensor):
 
 
 def _direct_entry():
-    module = _native.load() if ops.native_available() else None
-    if module is None or not hasattr(module, "repoint_to_slices_fast"):
-        pytest.skip("compiled extension unavailable")
-    return module.repoint_to_slices_fast
+    return compiled_ops_or_skip().repoint_to_slices_fast
 
 
 def _must_apply(entry):

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compiled import compiled_module_or_skip
 from zero_lifetime import _native, tracker_py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +39,7 @@ class Status(enum.Enum):
 def Tracker(request):
     if request.param == "python":
         return tracker_py.Tracker
-    module = _native.load()
-    if module is None:
-        pytest.skip(f"compiled tracker failed to build: {_native.status()['error']}")
-    return module.Tracker
+    return compiled_module_or_skip().Tracker
 
 
 class Zero3Sim:

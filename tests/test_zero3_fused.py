@@ -24,6 +24,7 @@ from zero_lifetime.adapters.zero3_buckets import ADD_GRAD, REDUCE_BUCKET
 from zero_lifetime.zero3_fused import Zero3FusedCopies
 
 import zero3_fused_worker as worker
+from compiled import compiled_ops_or_skip
 from rank_spawn import spawn_ranks
 
 STEPS = 3
@@ -264,8 +265,7 @@ def test_fused_wait_matches_stock_wait(groups, gather_dtype, op_calls):
 def test_fused_wait_reuses_a_released_buffer_and_overwrites_it(op_calls):
     # On the CPU the second gather gets the first one's memory back (ops.gather_buffer's
     # cache); every element must be rewritten: compared with the stock wait of new values.
-    if not ops.native_available():
-        pytest.skip("compiled extension unavailable")
+    compiled_ops_or_skip()
     engine, *_ = _pair()
     fused = Zero3FusedCopies(engine)
     world, numels = 2, [70000, 120001, 3]
