@@ -288,11 +288,22 @@ def grad_and_backward(model, backward, weight, x, wrt: str):
     return grad
 
 
-def backward_both(engine, l1, l2, path: str, zero_grad: bool):
-    """Backward l1 (graph retained), then l2, through the engine, the manual or the scale path."""
+# Each way a user clears every gradient of an engine (all torch's zero_grad() installed).
+CLEARS = {
+    "engine": lambda engine: engine.zero_grad(),
+    "optimizer": lambda engine: engine.optimizer.zero_grad(),  # the one deepspeed.initialize returns
+    "optimizer_keep_tensors": lambda engine: engine.optimizer.zero_grad(set_to_none=False),
+    "model": lambda engine: engine.module.zero_grad(),  # torch's Module.zero_grad
+    "model_keep_tensors": lambda engine: engine.module.zero_grad(set_to_none=False),
+}
+
+
+def backward_both(engine, l1, l2, path: str, zero_grad):
+    """Backward l1 (graph retained), then l2, through the engine, the manual or the scale path.
+    ``zero_grad`` between them: False, True (engine.zero_grad()) or a name in CLEARS."""
     backward_by(engine, l1, path, retain_graph=True)
     if zero_grad:
-        engine.zero_grad()
+        CLEARS["engine" if zero_grad is True else zero_grad](engine)
     backward_by(engine, l2, path)
 
 

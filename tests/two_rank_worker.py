@@ -120,6 +120,11 @@ def _build_scenarios():
             for path in ("engine", "manual"):
                 out.append(_scenario(f"two-stage{stage}-{model}-{path}-no_zero_grad", "steps", stage, path, False,
                                      model=model))
+    # The other spellings of the clear between the two backwards, the ZeRO optimizer's
+    # zero_grad() and torch's model.zero_grad(): each drops what every rank reduced.
+    for stage in (1, 2, 3):
+        for clear in ("optimizer", "model"):
+            out.append(_scenario(f"two-stage{stage}-engine-{clear}_zero_grad", "steps", stage, "engine", clear))
     # engine.compile() (plain torch.compile of the module, aot_eager: AOTAutograd saves the
     # tensors, no code generation) before install, as accelerate does; ZeRO-3 releases each
     # module's params right after it, so the retained graph outlives every gather.

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from . import config
+from . import config, module_zero_grad
 from .adapters.engine_boundary import boundary_set_by_hand
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
@@ -110,6 +110,9 @@ class Installation:
         # Read only when DeepSpeed's step() fails: a backward before install leaves DeepSpeed
         # gradients to step with, so a failure on the missing ones still means none since.
         self._backward_since_step = False
+        # A backward's gradients wait in DeepSpeed's stores: since then no boundary step() or clear.
+        self._gradients_held = False
+        self._own_clears = 0  # engine.step() or zero_grad() running: the optimizer's zero_grad() there is DeepSpeed's
         self._stepped_by_accelerate_backward = False  # the latest step(): a stale graph's error says so
         self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
@@ -183,6 +186,8 @@ class Installation:
         self._patch("forward", self._forward)
         self._patch("backward", self._backward)
         self._patch("zero_grad", self._zero_grad)
+        self._patches.apply(engine.optimizer, "zero_grad", self._optimizer_zero_grad)
+        module_zero_grad.register(self)
         self._patch("step", self._step)
         if self.backward.supports_torch_style_backward:  # engine.scale() comes with it (0.18+)
             self._patch("scale", self._scale)
@@ -203,6 +208,7 @@ class Installation:
 
     def restore(self) -> None:
         """Undo everything installed, in reverse order; safe on a partial install."""
+        module_zero_grad.unregister(self)
         self._patches.undo()
         for handle in self._handles:
             handle.remove()
@@ -288,17 +294,59 @@ class Installation:
             self.recover_if_backward_died()
             if self.accumulation is not None:
                 self.accumulation.forget_window()
-            result = original(*args, **kwargs)
-            # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
-            # optimizer holds must go too, or a following backward would add to them.
-            self.backward.clear_reduced_grads()
+            with self._own_clear():
+                result = original(*args, **kwargs)
+                # engine.zero_grad() only drops param.grad; the reduced gradients the ZeRO
+                # optimizer holds must go too, or a following backward would add to them.
+                self.backward.clear_reduced_grads()
             self.window.grads_cleared()
             if self.zero1_sums is not None:
                 self.zero1_sums.window_cleared()
             self._forget_carried_gradients()  # gone with the .grad they were in
+            self._gradients_held = False
             return result
 
         return zero_grad
+
+    def _optimizer_zero_grad(self, original):
+        """The ZeRO optimizer's zero_grad() (what deepspeed.initialize returns) clears p.grad
+        only (ZeRO-1/2) or resets the micro step (ZeRO-3): called by the user, it clears as
+        engine.zero_grad() does. DeepSpeed's own calls (in step(), an epilogue) stay as they are."""
+
+        def zero_grad(*args, **kwargs):
+            if self._inside_a_clear_or_engine_call():
+                return original(*args, **kwargs)
+            self.engine.zero_grad()  # the patched one
+            return None
+
+        return zero_grad
+
+    def _inside_a_clear_or_engine_call(self) -> bool:
+        """A zero_grad() made by DeepSpeed (in step(), a backward's epilogue) or by our own clears."""
+        return bool(self._own_clears or self._engine_calls or self.scope.open)
+
+    @contextlib.contextmanager
+    def _own_clear(self):
+        self._own_clears += 1
+        try:
+            yield
+        finally:
+            self._own_clears -= 1
+
+    def before_module_zero_grad(self, param_ids) -> None:
+        """torch's Module.zero_grad() is about to clear the .grad of ``param_ids``: over every
+        trainable param of this engine it is engine.zero_grad(); over some of them, while
+        DeepSpeed holds their gradients, it is refused before anything changes."""
+        if self._inside_a_clear_or_engine_call():
+            return
+        cleared = [p for p in self._trainable if id(p) in param_ids]
+        if not cleared:
+            return
+        if len(cleared) == len(self._trainable):
+            self.engine.zero_grad()  # the patched one
+        elif self._gradients_held and any(self.window.reached_in_window(p) for p in cleared):
+            raise RuntimeError(module_zero_grad.PARTIAL_CLEAR_MESSAGE.format(cleared=len(cleared),
+                                                                             total=len(self._trainable)))
 
     def _drop_mixed_gradients(self) -> None:
         """The ranks reduced different bucket layouts: every sum of the window is mixed."""
@@ -321,7 +369,8 @@ class Installation:
             if boundary:
                 self.window.before_step()
             try:
-                result = original(*args, **kwargs)
+                with self._own_clear():
+                    result = original(*args, **kwargs)
             except (TypeError, KeyError) as error:
                 # DeepSpeed's own failures there: TypeError after a step (its gradient lists
                 # are None), KeyError before the first backward (they were never made).
@@ -329,6 +378,8 @@ class Installation:
                     raise
                 raise StepWithoutBackwardError(_STEP_WITHOUT_BACKWARD) from error
             self._backward_since_step = False
+            if boundary:
+                self._gradients_held = False
             self._stepped_by_accelerate_backward = step_called_by_accelerate_backward()
             if boundary and self.engine.gradient_accumulation_steps() > 1 and boundary_set_by_hand(self.engine):
                 # A boundary set by hand holds until set again. accelerate sets it just before
@@ -528,6 +579,7 @@ class Installation:
         if self._accumulating:
             self._accumulating = False
             self._backward_since_step = True
+            self._gradients_held = True
             if self.zero1_sums is not None:
                 self.zero1_sums.backward_finished()
             self.grad_guard.check_backward(self.window.params_this_backward())
@@ -574,7 +626,8 @@ class Installation:
             # the backwards before it must stay as they are.
             keep_grads = self.zero1_sums is not None and self.zero1_sums.backward_died(
                 reached_window_sums=self.window.reached_window_sums())
-            self.backward.discard_interrupted_reduction(keep_param_grads=keep_grads)
+            with self._own_clear():  # its optimizer.zero_grad() is the stock one
+                self.backward.discard_interrupted_reduction(keep_param_grads=keep_grads)
             if self.bucket_fill is not None:
                 self.bucket_fill.discard()
             if self.accumulation is not None:
