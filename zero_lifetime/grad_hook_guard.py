@@ -12,6 +12,8 @@
   took is an error that names it, instead of an IndexError or a step that changes
   nothing. Not where DeepSpeed made no hooks at all (ZeRO-1 without contiguous_gradients
   or overlap_comm): it reduces .grad itself at the boundary, so there is nothing to miss.
+* A param frozen between the forward and a backward (``requires_grad_(False)``) gets no
+  gradient in it, yet torch runs its hooks: DeepSpeed's are skipped for it.
 * ZeRO-3 leaf modules: DeepSpeed's hook that reduces a leaf module's gradients also fires
   in a ``torch.autograd.grad`` through the module, and there zero-fills and reduces
   gradients no pass computed (into the bucket the next backward then finds them in twice).
@@ -69,7 +71,7 @@ class GradHookGuard:
         if self.recreated_hooks:
             self.hooks.recreate(self._register_kept_alive)
         self._taken = set()  # ids of params a DeepSpeed hook took a gradient of, this backward
-        self._entry_patch = self.hooks.wrap_entry(lambda param: self._taken.add(id(param)))
+        self._entry_patch = self.hooks.wrap_entry(self._on_hook)
         self._leaf_ids = {id(p) for p in self.hooks.leaf_module_params()}
         self._leaf_gate = None
 
@@ -77,6 +79,16 @@ class GradHookGuard:
         """DeepSpeed's leaf-module reduction hooks run only when ``should_run()`` (True in a
         pass that accumulates .grad, False in a torch.autograd.grad)."""
         self._leaf_gate = self.hooks.gate_leaf_module_hooks(should_run)
+
+    def _on_hook(self, param) -> bool:
+        """Should DeepSpeed's hook take ``param``'s gradient? Not for a param frozen since the
+        forward: torch's AccumulateGrad then adds nothing but still runs the param's hooks, and
+        DeepSpeed's would reduce the .grad it emptied after the last backward (ZeRO-2 and 3
+        fail on None; torch keeps the frozen param's earlier gradient for step())."""
+        if not param.requires_grad:
+            return False
+        self._taken.add(id(param))
+        return True
 
     def _register_kept_alive(self, param, hook):
         if USE_POST_ACCUMULATE_HOOK:

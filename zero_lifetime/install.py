@@ -465,6 +465,8 @@ class Installation:
     def _make_before_accumulate(self, param):
 
         def before_accumulate(grad):
+            if not param.requires_grad:
+                return None  # frozen since the forward: AccumulateGrad adds nothing to .grad
             if not self.scope.open and self._joins_next_backward(param):
                 # DeepSpeed's hooks take these gradients but reduce them in the user's backward
                 # that follows, as part of that one: so do we. (A torch.autograd.grad there

@@ -104,6 +104,11 @@ class MicroStepWindow:
 
     def _epilogue(self, original, *args, **kwargs):
         result = original(*args, **kwargs)
+        if self.adapter.epilogue_drops_frozen_gradients:
+            # A param frozen between two backwards keeps the earlier ones' gradient, as in torch.
+            frozen = [p for p in self._params if not p.requires_grad and id(p) in self._in_window]
+            if frozen:
+                self.adapter.keep_gradients_of_frozen(frozen)
         if self.adapter.offload and self.adapter.at_boundary():
             missed = [p for p in self._params if id(p) in self._in_window and id(p) not in self._this_backward]
             self.adapter.finalize_offloaded(missed)

@@ -150,11 +150,12 @@ class GradHooks:
         self.optimizer.__dict__.setdefault(_KEEP_ALIVE_ATTR, []).append(node)
 
     def wrap_entry(self, on_param):
-        """Call ``on_param(param)`` whenever one of DeepSpeed's hooks takes a gradient.
-        Returns the patch (``undo()``)."""
+        """Call ``on_param(param)`` whenever one of DeepSpeed's hooks is called for a param;
+        DeepSpeed's hook goes on only where it returns True. Returns the patch (``undo()``)."""
 
         def entry(original, param, *args, **kwargs):
-            on_param(param)
+            if not on_param(param):
+                return None
             return original(param, *args, **kwargs)
 
         return wrap_method(self.optimizer, self._entry_name, entry)

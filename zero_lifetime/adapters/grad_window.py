@@ -82,6 +82,9 @@ class GradWindowAdapter:
         if stage == 3:
             require(optimizer, _Z3_GRAD_PARTITIONS, "the ZeRO-3 gradient partitions")
             self.offload = bool(require(optimizer, "offload_optimizer", "the ZeRO-3 optimizer offload flag"))
+            if not self.offload:
+                require(optimizer, "averaged_gradients", "the ZeRO-3 gradients step() reads")
+                require(optimizer, "fp16_groups", "the ZeRO-3 param groups")
             self._finalizer = ("_offload_boundary_param_ids", "_finalize_offload_gradient_accumulation")
         else:
             self._ready_buffers = Zero12ReadyBuffers(optimizer)
@@ -115,6 +118,24 @@ class GradWindowAdapter:
         """``around(original, *args, **kwargs)`` runs in place of the epilogue (of whatever
         wrapped it before); ``undo()`` on the result puts that back."""
         return wrap_method(self.optimizer, EPILOGUE, around)
+
+    @property
+    def epilogue_drops_frozen_gradients(self) -> bool:
+        """ZeRO-3 without offload: the epilogue hands step() zeros (``averaged_gradients``) for
+        every param that does not require grad as it runs, whatever its partition holds."""
+        return self.stage == 3 and not self.offload
+
+    def keep_gradients_of_frozen(self, params) -> None:
+        """After the epilogue: step() reads what ``params`` (frozen now, with gradients from
+        earlier backwards of the window) hold in their partitions, as torch's step() applies
+        the .grad of a frozen param."""
+        partitions = getattr(self.optimizer, _Z3_GRAD_PARTITIONS)
+        wanted = {id(p) for p in params}
+        averaged = self.optimizer.averaged_gradients  # {sub-group index: one entry per param}
+        for group_index, group in enumerate(self.optimizer.fp16_groups):
+            for index, param in enumerate(group):
+                if id(param) in wanted and param.ds_id in partitions and group_index in averaged:
+                    averaged[group_index][index] = partitions[param.ds_id]
 
     def first_backward_of_window(self) -> bool:
         """Called as a backward starts, before DeepSpeed's hooks advance anything."""
