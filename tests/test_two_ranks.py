@@ -37,6 +37,7 @@ DEAD = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead"]
 DEAD_WINDOW = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead_window"]
 COALESCE = [sc for sc in worker.SCENARIOS if sc["kind"] == "coalesce"]
 MUON = [sc for sc in worker.SCENARIOS if sc["kind"] == "muon"]
+FREEZE = [sc for sc in worker.SCENARIOS if sc["kind"] == "freeze"]
 UNMANAGED = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and sc["install"]]
 UNMANAGED_STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and not sc["install"]]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
@@ -157,6 +158,11 @@ def _assert_matches_the_all_reduced_oracle(results, sc):
         assert not bad, f"rank {rank}: weights differ from the all-reduced oracle: {record['abs_diff']}"
         if sc["stage"] == 3:
             assert record["stats"]["live_handles"] == 0 and record["stats"]["pinned_params"] == 0, record["stats"]
+
+
+@pytest.mark.parametrize("sc", FREEZE, ids=_ids(FREEZE))
+def test_a_layer_frozen_between_two_backwards_keeps_its_first_gradient_on_both_ranks(results, sc):
+    _assert_matches_the_all_reduced_oracle(results, sc)
 
 
 @pytest.mark.parametrize("sc", COALESCE, ids=_ids(COALESCE))

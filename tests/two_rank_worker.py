@@ -125,6 +125,11 @@ def _build_scenarios():
     for stage in (1, 2, 3):
         for clear in ("optimizer", "model"):
             out.append(_scenario(f"two-stage{stage}-engine-{clear}_zero_grad", "steps", stage, "engine", clear))
+    # A layer frozen between the two backwards of a step (a GAN step in one engine).
+    for stage in (1, 2, 3):
+        for offload in (False, True):
+            out.append(_scenario(f"freeze-stage{stage}-{'offload' if offload else 'no_offload'}", "freeze", stage,
+                                 offload=offload))
     # engine.compile() (plain torch.compile of the module, aot_eager: AOTAutograd saves the
     # tensors, no code generation) before install, as accelerate does; ZeRO-3 releases each
     # module's params right after it, so the retained graph outlives every gather.
@@ -786,6 +791,31 @@ def _run_unmanaged(sc, rank):
     return record
 
 
+def _run_freeze(sc, rank):
+    """l1 frozen between the two retained backwards of every other step, unfrozen before
+    step(): it keeps the first backward's gradient, against the oracle averaged over the ranks
+    (DDP reduces once per backward, so it has no such step)."""
+    from harness import backward_by, losses
+
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=_offload(sc))
+    for step in range(STEPS):
+        x = _shard("mlp_norm", step, rank)
+        (l1, l2), (r1, r2) = losses(engine(x)), losses(oracle(x))
+        backward_by(engine, l1, sc["path"], retain_graph=True)
+        r1.backward(retain_graph=True)
+        frozen = step % 2 == 0
+        for model in (engine.module, oracle):
+            model.l1.requires_grad_(not frozen)
+        backward_by(engine, l2, sc["path"])
+        r2.backward()
+        for model in (engine.module, oracle):
+            model.l1.requires_grad_(True)
+        engine.step()
+        _oracle_step(oracle, opt)
+    abs_diff, excess = _against_oracle(engine, oracle)
+    return end_engine(engine, {"abs_diff": abs_diff, "tol_excess": excess}, installed=True)
+
+
 def _run_autograd_grad(sc, rank):
     """Per step, in the scenario's order, torch.autograd.grad and a training backward through
     one graph, then step(); against the oracle averaged over the ranks by all_reduce.
@@ -1086,6 +1116,8 @@ def _run_scenario(sc, rank):
         return _run_unmanaged(sc, rank)
     if sc["kind"] == "muon":
         return _run_muon(sc, rank)
+    if sc["kind"] == "freeze":
+        return _run_freeze(sc, rank)
     return _run_training(sc, rank)
 
 
