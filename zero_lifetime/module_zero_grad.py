@@ -3,10 +3,10 @@
 Installed, two backwards sum as in torch, and that sum lives in DeepSpeed's partitions, not in
 ``param.grad`` (which DeepSpeed empties after every backward). Clearing ``.grad`` alone, as
 ``Module.zero_grad()`` does, would leave the first backward in the sum. ``engine.zero_grad()``
-(the engine's own method) is patched per instance; a model's ``zero_grad`` cannot be, without an
-attribute that breaks ``torch.save(model)`` and ``copy.deepcopy``. So while an engine is
-installed, ``torch.nn.Module.zero_grad`` itself is wrapped and asks each installation about the
-params it clears; it is put back when the last installation goes.
+(the engine's own method) is patched per instance; a model's ``zero_grad`` is not: an attribute
+on the model would travel with ``copy.deepcopy(model)`` and clear the original engine from the
+copy. So while an engine is installed, ``torch.nn.Module.zero_grad`` itself is wrapped and asks
+each installation about the params it clears; it is put back when the last installation goes.
 """
 
 import threading
