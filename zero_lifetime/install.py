@@ -187,6 +187,11 @@ class Installation:
         self._patch("backward", self._backward)
         self._patch("zero_grad", self._zero_grad)
         self._patches.apply(engine.optimizer, "zero_grad", self._optimizer_zero_grad)
+        # DeepSpeed's own callers of the optimizer's zero_grad(), whichever engine method runs
+        # them (the pipeline engine reduces and steps outside engine.backward and engine.step):
+        # the ZeRO-1/2 epilogue on 0.17.6, and step().
+        self._patches.keep(self.window.adapter.wrap_epilogue(self._inside_own_clear))
+        self._patches.wrap(engine.optimizer, "step", self._optimizer_step)
         module_zero_grad.register(self)
         self._patch("step", self._step)
         if self.backward.supports_torch_style_backward:  # engine.scale() comes with it (0.18+)
@@ -314,12 +319,22 @@ class Installation:
         engine.zero_grad() does. DeepSpeed's own calls (in step(), an epilogue) stay as they are."""
 
         def zero_grad(*args, **kwargs):
-            if self._inside_a_clear_or_engine_call():
+            if self._inside_a_clear_or_engine_call() or not self._gradients_held:
                 return original(*args, **kwargs)
             self.engine.zero_grad()  # the patched one
             return None
 
         return zero_grad
+
+    def _inside_own_clear(self, original, *args, **kwargs):
+        with self._own_clear():
+            return original(*args, **kwargs)
+
+    def _optimizer_step(self, original, *args, **kwargs):
+        with self._own_clear():
+            result = original(*args, **kwargs)
+        self._gradients_held = False  # applied (or skipped on overflow, DeepSpeed clears them then)
+        return result
 
     def _inside_a_clear_or_engine_call(self) -> bool:
         """A zero_grad() made by DeepSpeed (in step(), a backward's epilogue) or by our own clears."""

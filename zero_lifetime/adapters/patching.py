@@ -41,20 +41,21 @@ class Patches:
 
     def wrap(self, obj, name: str, around) -> InstancePatch:
         """As :func:`wrap_method`, kept for ``undo``."""
-        return self._keep(wrap_method(obj, name, around))
+        return self.keep(wrap_method(obj, name, around))
 
     def replace(self, obj, name: str, function) -> InstancePatch:
         """``function`` in place of ``obj.<name>`` (``.original`` on the result is what it replaced)."""
-        return self._keep(InstancePatch(obj, name, lambda _original: function))
+        return self.keep(InstancePatch(obj, name, lambda _original: function))
 
     def apply(self, obj, name: str, make_replacement) -> InstancePatch:
         """``make_replacement(original)`` in place of ``obj.<name>``."""
-        return self._keep(InstancePatch(obj, name, make_replacement))
+        return self.keep(InstancePatch(obj, name, make_replacement))
 
     def undo(self) -> None:
         while self._applied:
             self._applied.pop().undo()
 
-    def _keep(self, patch: InstancePatch) -> InstancePatch:
+    def keep(self, patch: InstancePatch) -> InstancePatch:
+        """A patch made elsewhere (an adapter's), undone with these, in order."""
         self._applied.append(patch)
         return patch
