@@ -191,7 +191,7 @@ class Installation:
         # them (the pipeline engine reduces and steps outside engine.backward and engine.step):
         # the ZeRO-1/2 epilogue on 0.17.6, and step().
         self._patches.keep(self.window.adapter.wrap_epilogue(self._inside_own_clear))
-        self._patches.wrap(engine.optimizer, "step", self._optimizer_step)
+        self._patches.wrap(engine.optimizer, "step", self._marked_optimizer_step)
         module_zero_grad.register(self)
         self._patch("step", self._step)
         if self.backward.supports_torch_style_backward:  # engine.scale() comes with it (0.18+)
@@ -330,7 +330,7 @@ class Installation:
         with self._own_clear():
             return original(*args, **kwargs)
 
-    def _optimizer_step(self, original, *args, **kwargs):
+    def _marked_optimizer_step(self, original, *args, **kwargs):
         with self._own_clear():
             result = original(*args, **kwargs)
         self._gradients_held = False  # applied (or skipped on overflow, DeepSpeed clears them then)
