@@ -110,9 +110,9 @@ class Installation:
         # Read only when DeepSpeed's step() fails: a backward before install leaves DeepSpeed
         # gradients to step with, so a failure on the missing ones still means none since.
         self._backward_since_step = False
-        # A backward's gradients wait in DeepSpeed's stores: since then no boundary step() or clear.
+        # A backward's gradients wait in DeepSpeed's stores: since then no optimizer step() or clear.
         self._gradients_held = False
-        self._own_clears = 0  # engine.step() or zero_grad() running: the optimizer's zero_grad() there is DeepSpeed's
+        self._own_clears = 0  # the optimizer's step(), its epilogue or our clears running: a zero_grad() there is theirs
         self._stepped_by_accelerate_backward = False  # the latest step(): a stale graph's error says so
         self._patches = Patches()  # the engine's methods, wrapped
         self._handles = []
@@ -384,8 +384,7 @@ class Installation:
             if boundary:
                 self.window.before_step()
             try:
-                with self._own_clear():
-                    result = original(*args, **kwargs)
+                result = original(*args, **kwargs)
             except (TypeError, KeyError) as error:
                 # DeepSpeed's own failures there: TypeError after a step (its gradient lists
                 # are None), KeyError before the first backward (they were never made).
@@ -393,8 +392,6 @@ class Installation:
                     raise
                 raise StepWithoutBackwardError(_STEP_WITHOUT_BACKWARD) from error
             self._backward_since_step = False
-            if boundary:
-                self._gradients_held = False
             self._stepped_by_accelerate_backward = step_called_by_accelerate_backward()
             if boundary and self.engine.gradient_accumulation_steps() > 1 and boundary_set_by_hand(self.engine):
                 # A boundary set by hand holds until set again. accelerate sets it just before
