@@ -14,6 +14,12 @@
   or overlap_comm): it reduces .grad itself at the boundary, so there is nothing to miss.
 * A param frozen between the forward and a backward (``requires_grad_(False)``) gets no
   gradient in it, yet torch runs its hooks: DeepSpeed's are skipped for it.
+* A param whose finished gradient reaches DeepSpeed's buckets twice in one backward is an
+  error that names it. DeepSpeed reduces a param once per backward; a module applied
+  more than once under reentrant activation checkpointing (``use_reentrant=True``)
+  accumulates its params' .grad once per application, each with its hooks. Stock then
+  fails (an assertion), or on ZeRO-3, where the bucket was reduced between the two,
+  keeps only the last application's share without a word.
 * ZeRO-3 leaf modules: DeepSpeed's hook that reduces a leaf module's gradients also fires
   in a ``torch.autograd.grad`` through the module, and there zero-fills and reduces
   gradients no pass computed (into the bucket the next backward then finds them in twice).
@@ -23,6 +29,7 @@
 import torch
 
 from .adapters.grad_hooks import GradHooks, deepspeed_hooks_are_dead
+from .adapters.patching import Patches
 
 # torch >= 2.1: a hook on the param itself, nothing to keep alive. Module level so a test
 # can force the AccumulateGrad-node path that torch < 2.1 needs.
@@ -31,6 +38,20 @@ USE_POST_ACCUMULATE_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_
 
 class GradientsNotReducedError(RuntimeError):
     """A backward produced gradients that DeepSpeed's ZeRO optimizer never received."""
+
+
+class GradientReducedTwiceError(RuntimeError):
+    """One backward brought a param's finished gradient to DeepSpeed's buckets twice."""
+
+
+def _reduced_twice_message(name: str) -> str:
+    return (f"zero_lifetime: this backward brought the gradient of {name} to DeepSpeed's reduction buckets "
+            f"twice, and DeepSpeed reduces a param once per backward (stock fails, or on ZeRO-3 keeps only "
+            f"the last share). A module applied more than once under reentrant activation checkpointing "
+            f"(torch.utils.checkpoint with use_reentrant=True) does this: each application accumulates .grad "
+            f"in a backward of its own. Use use_reentrant=False (the Trainer's activation_checkpointing_kwargs, "
+            f"formerly gradient_checkpointing_kwargs), which accumulates once. Nothing of this backward was "
+            f"applied.")
 
 
 def _unmanaged_message(names) -> str:
@@ -71,6 +92,7 @@ class GradHookGuard:
         if self.recreated_hooks:
             self.hooks.recreate(self._register_kept_alive)
         self._taken = set()  # ids of params a DeepSpeed hook took a gradient of, this backward
+        self._added = set()  # ids of params whose finished gradient DeepSpeed bucketed, this backward
         self._entry_patch = self.hooks.wrap_entry(self._on_hook)
         self._leaf_ids = {id(p) for p in self.hooks.leaf_module_params()}
         self._leaf_gate = None
@@ -90,6 +112,22 @@ class GradHookGuard:
         self._taken.add(id(param))
         return True
 
+    def refuse_gradients_added_twice(self) -> Patches:
+        """From now on, a param's finished gradient added to DeepSpeed's buckets a second time
+        before DeepSpeed's epilogue ends that reduction raises (DeepSpeed's own unit: the
+        epilogue marks every param unreduced again; a pipeline's reduces outside backwards).
+        Returns the patches (``undo()``): made after every other layer that replaces DeepSpeed's
+        bucket add, so that they see every add."""
+        patches = Patches()
+        patches.keep(self.hooks.wrap_bucket_add(self._on_bucket_add))
+        patches.keep(self.hooks.after_each_reduction(self._added.clear))
+        return patches
+
+    def _on_bucket_add(self, param) -> None:
+        if id(param) in self._added:
+            raise GradientReducedTwiceError(_reduced_twice_message(self.name_of(param)))
+        self._added.add(id(param))
+
     def _register_kept_alive(self, param, hook):
         if USE_POST_ACCUMULATE_HOOK:
             return param.register_post_accumulate_grad_hook(hook)
@@ -108,6 +146,7 @@ class GradHookGuard:
         """``taken_earlier``: ids of params whose gradient came before this backward (in the
         engine's forward) and is reduced in it; what DeepSpeed's hooks took of those stays."""
         self._taken = {key for key in self._taken if key in taken_earlier}
+        self._added.clear()
 
     def check_backward(self, got_gradient) -> None:
         """``got_gradient``: the params whose .grad this backward accumulated into."""

@@ -173,6 +173,9 @@ class Installation:
             # The engine's own count: the optimizer's flag is set by DeepSpeed's prologue, after
             # the backward has begun.
             self.zero1_sums = Zero1WindowSums(engine.is_gradient_accumulation_boundary)
+        # Over every layer above that replaces DeepSpeed's bucket add or wraps its epilogue
+        # (restore() undoes self._patches before those).
+        self._patches.keep(self.grad_guard.refuse_gradients_added_twice())
         self.reporter = StatsReporter(engine, self.stats)
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))

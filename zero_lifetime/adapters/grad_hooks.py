@@ -17,9 +17,12 @@ import deepspeed.runtime.zero.stage_1_and_2 as stage12_module
 import deepspeed.utils.torch as ds_torch_utils
 
 from .errors import require
+from .grad_window import EPILOGUE, gradient_held_back
 from .patching import wrap_method
 
 _KEEP_ALIVE_ATTR = "_zero_lifetime_grad_accumulators"  # ours, on the optimizer
+# Stages 1-3: puts one param's finished gradient into its reduction bucket.
+_BUCKET_ADD = "reduce_independent_p_g_buckets_and_remove_grads"
 
 
 def deepspeed_hooks_are_dead() -> bool:
@@ -79,6 +82,7 @@ class GradHooks:
             self._create_name = "create_gradient_handling_hooks"
             self._module = stage12_module
         require(optimizer, self._entry_name, "the entry point of DeepSpeed's gradient hooks")
+        require(optimizer, _BUCKET_ADD, "DeepSpeed's add of a gradient to its reduction bucket")
         require(optimizer, self._create_name, "DeepSpeed's gradient hook creation")
         require(self._module, "register_grad_hook", "DeepSpeed's gradient hook registration")
 
@@ -159,3 +163,27 @@ class GradHooks:
             return original(param, *args, **kwargs)
 
         return wrap_method(self.optimizer, self._entry_name, entry)
+
+    def wrap_bucket_add(self, on_add):
+        """Call ``on_add(param)`` before DeepSpeed adds ``param``'s finished gradient to a
+        reduction bucket: not for a tiled-compute shard (its gradient is not finished) nor an
+        empty ZeRO-1/2 param (DeepSpeed skips those). Returns the patch (``undo()``)."""
+        stage = self.stage
+
+        def add(original, param, *args, **kwargs):
+            if not gradient_held_back(param) and (stage == 3 or param.numel() != 0):
+                on_add(param)
+            return original(param, *args, **kwargs)
+
+        return wrap_method(self.optimizer, _BUCKET_ADD, add)
+
+    def after_each_reduction(self, callback):
+        """``callback()`` after each of DeepSpeed's gradient epilogues returns (it reduces what the
+        buckets still hold and marks every param unreduced again). Returns the patch (``undo()``)."""
+
+        def epilogue(original, *args, **kwargs):
+            result = original(*args, **kwargs)
+            callback()
+            return result
+
+        return wrap_method(self.optimizer, EPILOGUE, epilogue)

@@ -32,6 +32,11 @@ _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partitio
 _GRAD_READY_FLAG = "ds_grad_is_ready"
 
 
+def gradient_held_back(param) -> bool:
+    """Will DeepSpeed leave this gradient in ``param.grad`` for a later backward to reduce?"""
+    return not getattr(param, _GRAD_READY_FLAG, True)
+
+
 def bucket_setup_method(optimizer) -> str:
     """The ZeRO-1/2 method that allocates the IPG buckets and advances the micro step, once per
     backward: ``setup_buckets`` (0.18.9, 0.19.8) or ``backward_prologue`` (0.17.6)."""
@@ -143,10 +148,7 @@ class GradWindowAdapter:
         # stage 3 advances it from 0 at the next forward after a backward.
         return self.optimizer.micro_step_id == (0 if self.stage == 3 else -1)
 
-    @staticmethod
-    def gradient_held_back(param) -> bool:
-        """Will DeepSpeed leave this gradient in ``param.grad`` for a later backward to reduce?"""
-        return not getattr(param, _GRAD_READY_FLAG, True)
+    gradient_held_back = staticmethod(gradient_held_back)
 
     def clear_stale_accumulator(self, param) -> None:
         """Zero what ``param``'s accumulator kept from an earlier window."""

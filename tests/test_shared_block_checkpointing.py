@@ -1,0 +1,104 @@
+"""A block applied twice in one forward (shared weights, as in ALBERT) under activation
+checkpointing, 1 rank, against plain torch.
+
+Reentrant checkpointing (``use_reentrant=True``) runs each application's backward as a
+backward of its own, so the shared params' .grad accumulates, and their gradient hooks fire,
+once per application. DeepSpeed reduces a param once per backward: stock ZeRO-2 and 3 fail on
+an assertion, and ZeRO-3 with a reduce bucket smaller than the model reduces the bucket between
+the two and keeps only the last share, silently. Installed refuses with an error that names
+the param and the fix. Non-reentrant checkpointing accumulates once and trains like torch.
+"""
+
+import copy
+
+import deepspeed
+import pytest
+import torch
+
+import zero_lifetime
+from harness import HIDDEN, IN, OUT, assert_weights_match, ds_config, losses, make_input, released_state
+from zero_lifetime.grad_hook_guard import GradientReducedTwiceError
+
+# Smaller than the model's params (about 700 elements): the bucket is reduced mid-backward.
+SMALL_BUCKET = {"reduce_bucket_size": 16}
+
+
+class SharedBlockTwice(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.reentrant = True
+        self.inp = torch.nn.Linear(IN, HIDDEN)
+        self.block = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh())
+        self.out = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+def _pair(stage, **zero):
+    torch.manual_seed(0)
+    model = SharedBlockTwice()
+    reference = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, **zero),
+                                      model_parameters=model.parameters())
+    return engine, reference, torch.optim.SGD(reference.parameters(), lr=0.1)
+
+
+def _train_like_torch(engine, reference, ref_opt, stage, steps, first_input=0):
+    """Steps of two retained backwards (the two losses), checked against torch after each."""
+    for step in range(first_input, first_input + steps):
+        x = make_input("mlp_norm", step)
+        l1, l2 = losses(engine(x))
+        engine.backward(l1, retain_graph=True)
+        engine.backward(l2)
+        engine.step()
+        sum(losses(reference(x))).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_weights_match(engine, reference)
+        if stage == 3:
+            assert released_state(engine) == ([], [])
+
+
+@pytest.mark.parametrize("zero", [{}, SMALL_BUCKET, {"overlap_comm": True}],
+                         ids=["default_bucket", "small_bucket", "overlap_comm"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reentrant_checkpointing_of_a_block_applied_twice_is_refused_then_training_goes_on(stage, zero):
+    """Where DeepSpeed buckets each gradient as its hook fires (ZeRO-2 and 3, ZeRO-1 with
+    overlap_comm at the boundary): the error names a shared param and the fix, and nothing of
+    that backward is applied; the same model with use_reentrant=False then trains like torch."""
+    engine, reference, ref_opt = _pair(stage, **zero)
+    zero_lifetime.install(engine)
+    if stage == 1 and not zero.get("overlap_comm"):
+        # No hook buckets anything: DeepSpeed reduces the summed .grad at the boundary.
+        _train_like_torch(engine, reference, ref_opt, stage, steps=2)
+        return
+    l1, _ = losses(engine(make_input("mlp_norm", 0)))
+    with pytest.raises(GradientReducedTwiceError, match=r"block\.0\.(weight|bias).*use_reentrant=False"):
+        engine.backward(l1)
+    engine.module.reentrant = reference.reentrant = False
+    _train_like_torch(engine, reference, ref_opt, stage, steps=2, first_input=1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_non_reentrant_checkpointing_of_a_block_applied_twice_trains_like_torch(stage):
+    engine, reference, ref_opt = _pair(stage, **SMALL_BUCKET)
+    engine.module.reentrant = reference.reentrant = False
+    zero_lifetime.install(engine)
+    _train_like_torch(engine, reference, ref_opt, stage, steps=2)
+
+
+def test_stock_zero3_with_a_small_bucket_keeps_only_the_last_application_silently():
+    """Why install refuses rather than passing it on: stock gives no error, and wrong weights."""
+    engine, reference, ref_opt = _pair(3, **SMALL_BUCKET)
+    x = make_input("mlp_norm", 0)
+    engine.backward(losses(engine(x))[0])
+    engine.step()
+    losses(reference(x))[0].backward()
+    ref_opt.step()
+    with pytest.raises(AssertionError, match=r"block\.0\.weight"):
+        assert_weights_match(engine, reference)
