@@ -21,7 +21,8 @@ class HookedEngineBackward(EngineBackwardBase):
         super().__init__(engine)
         require(engine, "_backward_prologue", "the engine backward prologue")
         state = require(self.optimizer, "_backward_hook_state", "the ZeRO backward hook state")
-        for name in ("backward_active_depth", "backward_seen_this_step", "post_backward_callback_queued"):
+        for name in ("backward_active_depth", "backward_seen_this_step", "epilogue_ran_this_backward",
+                     "post_backward_callback_queued"):
             require(state, name, "a ZeRO backward hook state field")
         require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
         from deepspeed.runtime.utils import OutputBackwardHookManager
@@ -36,9 +37,14 @@ class HookedEngineBackward(EngineBackwardBase):
         return self.optimizer._backward_hook_state
 
     def backward_finished_since_forward(self) -> bool:
-        """A previous backward over the current forward ran to its end."""
+        """A previous backward over the current forward ran to its end: its prologue marked it
+        seen, or its epilogue ran (ZeRO-3 marks that). engine.forward resets both. A forward
+        that bypasses it (``engine.module(x)``) resets neither, and engine.backward over it runs
+        DeepSpeed's epilogue but no prologue: only the epilogue's mark says a backward ended
+        (and then stock ZeRO-3 never advances its micro step, so each backward overwrote the
+        one before: two retained backwards, or micro-steps of an accumulation window)."""
         state = self._state
-        return state.backward_seen_this_step and state.backward_active_depth == 0
+        return state.backward_active_depth == 0 and (state.backward_seen_this_step or state.epilogue_ran_this_backward)
 
     def note_forward(self) -> None:
         """DeepSpeed itself resets its per-forward state (clear_backward_seen_flag)."""

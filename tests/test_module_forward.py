@@ -1,0 +1,53 @@
+"""Forwards through the user's own module (``engine.module(x)``, or the model object passed to
+``deepspeed.initialize``) instead of the engine, then ``engine.backward``; 1 rank, against torch.
+
+engine.forward resets DeepSpeed's per-forward backward state (and on ZeRO-3 advances the micro
+step); a forward that bypasses it resets nothing, and engine.backward over it runs DeepSpeed's
+epilogue but no prologue. Stock ZeRO-3 then never advances its micro step: each backward of an
+accumulation window overwrote the one before, without an error (and two retained backwards fail
+on the released params). Installed, a backward that follows an ended one starts a new micro step
+however the forward ran.
+"""
+
+import pytest
+
+import zero_lifetime
+from harness import assert_weights_match, losses, make_input, make_pair, released_state
+
+
+def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2):
+    for step in range(steps):
+        for micro in range(gas):
+            x = make_input("mlp_norm", 10 * step + micro)
+            l1, l2 = losses(engine.module(x))
+            if backwards == 2:
+                engine.backward(l1, retain_graph=True)
+                engine.backward(l2)
+            else:
+                engine.backward(l1 + l2)
+            engine.step()
+            r1, r2 = losses(reference(x))
+            ((r1 + r2) / gas).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_weights_match(engine, reference)
+        if stage == 3:
+            assert released_state(engine) == ([], [])
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+@pytest.mark.parametrize("gas", [1, 2], ids=["gas1", "gas2"])
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one_backward", "two_backwards"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_forward_through_the_module_trains_like_torch(stage, backwards, gas, offload):
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=gas, **zero)
+    zero_lifetime.install(engine)
+    _steps(engine, reference, ref_opt, stage, gas, backwards)
+
+
+def test_stock_zero3_accumulation_over_forwards_through_the_module_keeps_only_the_last_micro_step():
+    """Why: stock gives no error there, and wrong weights."""
+    engine, reference, ref_opt = make_pair("mlp_norm", 3, gas=2)
+    with pytest.raises(AssertionError, match="l1.weight"):
+        _steps(engine, reference, ref_opt, 3, gas=2, backwards=1, steps=1)
