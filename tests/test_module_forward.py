@@ -12,7 +12,12 @@ however the forward ran.
 import pytest
 
 import zero_lifetime
-from harness import assert_weights_match, losses, make_input, make_pair, released_state
+from harness import DS_VERSION, assert_weights_match, losses, make_input, make_pair, released_state
+
+# engine.backward divides by gradient_accumulation_steps: the loss itself on 0.19.8 and 0.17.6;
+# on 0.18.9 only the engine forward's output hooks do, so over a forward that bypassed it
+# nothing is divided (stock and installed alike).
+DIVIDED_BY_GAS = DS_VERSION != "0.18.9"
 
 
 def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2):
@@ -27,7 +32,7 @@ def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2):
                 engine.backward(l1 + l2)
             engine.step()
             r1, r2 = losses(reference(x))
-            ((r1 + r2) / gas).backward()
+            ((r1 + r2) / (gas if DIVIDED_BY_GAS else 1)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         assert_weights_match(engine, reference)
@@ -40,6 +45,9 @@ def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2):
 @pytest.mark.parametrize("backwards", [1, 2], ids=["one_backward", "two_backwards"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_forward_through_the_module_trains_like_torch(stage, backwards, gas, offload):
+    if offload and stage == 2 and gas > 1 and backwards == 2 and DS_VERSION != "0.19.8":
+        pytest.skip("this release's offload accumulators keep one backward per micro-step: a second "
+                    "is refused (README, Limitations)")
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=gas, **zero)
     zero_lifetime.install(engine)

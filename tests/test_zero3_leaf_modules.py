@@ -21,7 +21,7 @@ from deepspeed.utils import set_z3_leaf_modules
 import zero_lifetime
 import zero_lifetime.adapters.grad_hooks
 from harness import DS_VERSION, IN, OUT, assert_weights_match, ds_config, make_input, released_state
-from zero_lifetime.grad_hook_guard import GradientsNotReducedError
+from zero_lifetime.grad_hook_guard import GradientReducedTwiceError, GradientsNotReducedError
 
 HIDDEN, WIDE = 16, 256
 LR = 0.01  # the gradient penalty through the wide layer diverges at harness's 0.1
@@ -193,6 +193,54 @@ def test_stock_fails_with_the_whole_model_as_leaf_and_no_input_gradient():
     engine = _engine(MoEModel(), "by_class", leaf_class=MoEModel)
     with pytest.raises(RuntimeError):
         engine.backward(_losses(engine(make_input("mlp_norm", 0)))[0])
+
+
+class LeafAppliedTwice(MoEModel):
+    """The leaf module applied twice in one forward (``twice``), or once."""
+
+    def __init__(self):
+        super().__init__()
+        self.twice = True
+
+    def forward(self, x):
+        h = self.moe(self.inp(x))
+        return self.out(self.wide(self.moe(h) if self.twice else h))
+
+
+@pytest.mark.parametrize("install", [False, True], ids=["stock", "installed"])
+@pytest.mark.parametrize("marking", ["by_class", pytest.param("by_threshold", marks=_BY_THRESHOLD)])
+def test_a_leaf_module_applied_twice_in_one_forward_is_refused(marking, install):
+    """DeepSpeed reduces a leaf module's params from a hook that fires once per application of
+    the module: stock fails on its bucket's duplicate ids (an AssertionError); installed raises an
+    error that names the param and the cause, then the model applying it once trains like torch."""
+    torch.manual_seed(0)
+    model = LeafAppliedTwice()
+    reference = copy.deepcopy(model)
+    engine = _engine(model, marking)
+    if install:
+        zero_lifetime.install(engine)
+    first, _ = _losses(engine(make_input("mlp_norm", 0)))
+    with pytest.raises(GradientReducedTwiceError if install else AssertionError,
+                       match=r"moe\.\S+ to DeepSpeed's reduction buckets twice.*leaf module" if install else None):
+        engine.backward(first)
+    if not install:
+        return
+    model.twice = reference.twice = False
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(1, 3):
+        x = make_input("mlp_norm", step)
+        first, second = _losses(engine(x))
+        engine.backward(first, retain_graph=True)
+        engine.backward(second)
+        engine.step()
+        sum(_losses(reference(x))).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_weights_match(engine, reference)
+    gathered, data_kept = released_state(engine)
+    assert gathered == []
+    if marking == "by_class":  # by threshold, DeepSpeed keeps released leaf params' data
+        assert data_kept == []
 
 
 @pytest.mark.skipif(PER_FORWARD_RELEASE, reason="DeepSpeed 0.17.6 has no leaf-module backward hook to gate")

@@ -19,7 +19,8 @@
   more than once under reentrant activation checkpointing (``use_reentrant=True``)
   accumulates its params' .grad once per application, each with its hooks. Stock then
   fails (an assertion), or on ZeRO-3, where the bucket was reduced between the two,
-  keeps only the last application's share without a word.
+  keeps only the last application's share without a word. So does a ZeRO-3 leaf module
+  applied more than once: its reduction hook fires once per application.
 * ZeRO-3 leaf modules: DeepSpeed's hook that reduces a leaf module's gradients also fires
   in a ``torch.autograd.grad`` through the module, and there zero-fills and reduces
   gradients no pass computed (into the bucket the next backward then finds them in twice).
@@ -44,14 +45,20 @@ class GradientReducedTwiceError(RuntimeError):
     """One backward brought a param's finished gradient to DeepSpeed's buckets twice."""
 
 
-def _reduced_twice_message(name: str) -> str:
-    return (f"zero_lifetime: this backward brought the gradient of {name} to DeepSpeed's reduction buckets "
+def _reduced_twice_message(name: str, in_leaf_module: bool) -> str:
+    head = (f"zero_lifetime: this backward brought the gradient of {name} to DeepSpeed's reduction buckets "
             f"twice, and DeepSpeed reduces a param once per backward (stock fails, or on ZeRO-3 keeps only "
-            f"the last share). A module applied more than once under reentrant activation checkpointing "
-            f"(torch.utils.checkpoint with use_reentrant=True) does this: each application accumulates .grad "
-            f"in a backward of its own. Use use_reentrant=False (the Trainer's activation_checkpointing_kwargs, "
-            f"formerly gradient_checkpointing_kwargs), which accumulates once. Nothing of this backward was "
-            f"applied.")
+            f"the last share). ")
+    if in_leaf_module:
+        return head + ("It belongs to a ZeRO-3 leaf module (set_z3_leaf_modules, or chosen by "
+                       "stage3_module_granularity_threshold), whose params DeepSpeed reduces from a hook that "
+                       "fires once per application of the module: apply such a module once per forward, or "
+                       "make its submodules the leaf modules. Nothing of this backward was applied.")
+    return head + ("A module applied more than once under reentrant activation checkpointing "
+                   "(torch.utils.checkpoint with use_reentrant=True) does this: each application accumulates "
+                   ".grad in a backward of its own. Use use_reentrant=False (the Trainer's "
+                   "activation_checkpointing_kwargs, formerly gradient_checkpointing_kwargs), which accumulates "
+                   "once. Nothing of this backward was applied.")
 
 
 def _unmanaged_message(names) -> str:
@@ -125,7 +132,7 @@ class GradHookGuard:
 
     def _on_bucket_add(self, param) -> None:
         if id(param) in self._added:
-            raise GradientReducedTwiceError(_reduced_twice_message(self.name_of(param)))
+            raise GradientReducedTwiceError(_reduced_twice_message(self.name_of(param), id(param) in self._leaf_ids))
         self._added.add(id(param))
 
     def _register_kept_alive(self, param, hook):
