@@ -54,6 +54,8 @@ def test_forward_through_the_module_trains_like_torch(stage, backwards, gas, off
     _steps(engine, reference, ref_opt, stage, gas, backwards)
 
 
+@pytest.mark.skipif(DS_VERSION == "0.17.6", reason="0.17.6 advances ZeRO-3's micro step in its epilogue, "
+                    "not at engine.forward: stock accumulates over such forwards like torch")
 def test_stock_zero3_accumulation_over_forwards_through_the_module_keeps_only_the_last_micro_step():
     """Why: stock gives no error there, and wrong weights."""
     engine, reference, ref_opt = make_pair("mlp_norm", 3, gas=2)
