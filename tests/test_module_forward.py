@@ -61,3 +61,23 @@ def test_stock_zero3_accumulation_over_forwards_through_the_module_keeps_only_th
     engine, reference, ref_opt = make_pair("mlp_norm", 3, gas=2)
     with pytest.raises(AssertionError, match="l1.weight"):
         _steps(engine, reference, ref_opt, 3, gas=2, backwards=1, steps=1)
+
+
+@pytest.mark.parametrize("model_name", ["mlp_norm", "tied_lm", "ckpt_nonreentrant", "raw_alias"])
+def test_pin_over_forwards_through_the_module_gathers_again_like_regather(model_name):
+    """Such a forward runs outside install's saved-tensor hooks: nothing of it is pinned, and
+    the second backward gathers the params again; the weights still follow torch."""
+    engine, reference, ref_opt = make_pair(model_name, 3)
+    zero_lifetime.install(engine, policy="pin")
+    for step in range(2):
+        x = make_input(model_name, step)
+        l1, l2 = losses(engine.module(x))
+        engine.backward(l1, retain_graph=True)
+        engine.backward(l2)
+        engine.step()
+        sum(losses(reference(x))).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_weights_match(engine, reference)
+        assert released_state(engine) == ([], [])
+    assert zero_lifetime.stats(engine)["peak_pinned_bytes"] == 0
