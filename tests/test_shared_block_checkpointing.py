@@ -14,9 +14,10 @@ import copy
 import deepspeed
 import pytest
 import torch
+import torch.nn.functional as F
 
 import zero_lifetime
-from harness import HIDDEN, IN, OUT, assert_weights_match, ds_config, losses, make_input, released_state
+from harness import HIDDEN, IN, OUT, TiedLM, assert_weights_match, ds_config, losses, make_input, released_state
 from zero_lifetime.grad_hook_guard import GradientReducedTwiceError
 
 # Smaller than the model's params (about 700 elements): the bucket is reduced mid-backward.
@@ -102,3 +103,23 @@ def test_stock_zero3_with_a_small_bucket_keeps_only_the_last_application_silentl
     ref_opt.step()
     with pytest.raises(AssertionError, match=r"block\.0\.weight"):
         assert_weights_match(engine, reference)
+
+
+class TiedHeadCheckpointed(TiedLM):
+    """The embedding outside a reentrant checkpoint, its weight also the head's inside it."""
+
+    def _head(self, h):
+        return F.linear(self.ln(torch.tanh(self.mix(h))), self.emb.weight)
+
+    def forward(self, tokens):
+        return torch.utils.checkpoint.checkpoint(self._head, self.emb(tokens), use_reentrant=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_tied_weight_inside_and_outside_a_reentrant_checkpoint_is_refused(stage):
+    torch.manual_seed(0)
+    model = TiedHeadCheckpointed()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage), model_parameters=model.parameters())
+    zero_lifetime.install(engine)
+    with pytest.raises(GradientReducedTwiceError, match=r"emb\.weight.*tied embedding"):
+        engine.backward(sum(losses(engine(make_input("tied_lm", 0)))))

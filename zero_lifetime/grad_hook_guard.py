@@ -15,9 +15,10 @@
 * A param frozen between the forward and a backward (``requires_grad_(False)``) gets no
   gradient in it, yet torch runs its hooks: DeepSpeed's are skipped for it.
 * A param whose finished gradient reaches DeepSpeed's buckets twice in one backward is an
-  error that names it. DeepSpeed reduces a param once per backward; a module applied
-  more than once under reentrant activation checkpointing (``use_reentrant=True``)
-  accumulates its params' .grad once per application, each with its hooks. Stock then
+  error that names it. DeepSpeed reduces a param once per backward; reentrant activation
+  checkpointing (``use_reentrant=True``) accumulates .grad once per segment that uses the
+  param (a module applied twice, a tied weight inside and outside a segment), each time
+  with its hooks. Stock then
   fails (an assertion), or on ZeRO-3, where the bucket was reduced between the two,
   keeps only the last application's share without a word. So does a ZeRO-3 leaf module
   applied more than once: its reduction hook fires once per application.
@@ -54,9 +55,10 @@ def _reduced_twice_message(name: str, in_leaf_module: bool) -> str:
                        "stage3_module_granularity_threshold), whose params DeepSpeed reduces from a hook that "
                        "fires once per application of the module: apply such a module once per forward, or "
                        "make its submodules the leaf modules. Nothing of this backward was applied.")
-    return head + ("A module applied more than once under reentrant activation checkpointing "
-                   "(torch.utils.checkpoint with use_reentrant=True) does this: each application accumulates "
-                   ".grad in a backward of its own. Use use_reentrant=False (the Trainer's "
+    return head + ("Reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) does "
+                   "this to a param used in more than one segment, or inside one and outside it (a module "
+                   "applied twice, a tied embedding in a checkpointed head): each segment accumulates .grad in "
+                   "a backward of its own. Use use_reentrant=False (the Trainer's "
                    "activation_checkpointing_kwargs, formerly gradient_checkpointing_kwargs), which accumulates "
                    "once. Nothing of this backward was applied.")
 
