@@ -38,6 +38,7 @@ DEAD_WINDOW = [sc for sc in worker.SCENARIOS if sc["kind"] == "dead_window"]
 COALESCE = [sc for sc in worker.SCENARIOS if sc["kind"] == "coalesce"]
 MUON = [sc for sc in worker.SCENARIOS if sc["kind"] == "muon"]
 FREEZE = [sc for sc in worker.SCENARIOS if sc["kind"] == "freeze"]
+SHARED_CKPT = [sc for sc in worker.SCENARIOS if sc["kind"] == "shared_ckpt"]
 UNMANAGED = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and sc["install"]]
 UNMANAGED_STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and not sc["install"]]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
@@ -162,6 +163,15 @@ def _assert_matches_the_all_reduced_oracle(results, sc):
 
 @pytest.mark.parametrize("sc", FREEZE, ids=_ids(FREEZE))
 def test_a_layer_frozen_between_two_backwards_keeps_its_first_gradient_on_both_ranks(results, sc):
+    _assert_matches_the_all_reduced_oracle(results, sc)
+
+
+@pytest.mark.parametrize("sc", SHARED_CKPT, ids=_ids(SHARED_CKPT))
+def test_a_block_applied_twice_under_reentrant_checkpointing_is_refused_on_every_rank(results, sc):
+    """Every rank refuses the same backward (none is left waiting in a collective), and the
+    non-reentrant steps after it match the all-reduced oracle."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        assert record["refused"] and "use_reentrant=False" in record["refused"], f"rank {rank}: {record['refused']}"
     _assert_matches_the_all_reduced_oracle(results, sc)
 
 

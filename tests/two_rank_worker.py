@@ -130,6 +130,13 @@ def _build_scenarios():
         for offload in (False, True):
             out.append(_scenario(f"freeze-stage{stage}-{'offload' if offload else 'no_offload'}", "freeze", stage,
                                  offload=offload))
+    # A block applied twice under reentrant checkpointing: refused on every rank (the default
+    # bucket, and one smaller than the model, reduced between the two applications), then
+    # non-reentrant training goes on.
+    for stage in (2, 3):
+        for bucket in ("default_bucket", "small_bucket"):
+            out.append(_scenario(f"shared_ckpt-stage{stage}-{bucket}", "shared_ckpt", stage,
+                                 zero={"reduce_bucket_size": 16} if bucket == "small_bucket" else None))
     # engine.compile() (plain torch.compile of the module, aot_eager: AOTAutograd saves the
     # tensors, no code generation) before install, as accelerate does; ZeRO-3 releases each
     # module's params right after it, so the retained graph outlives every gather.
@@ -816,6 +823,47 @@ def _run_freeze(sc, rank):
     return end_engine(engine, {"abs_diff": abs_diff, "tol_excess": excess}, installed=True)
 
 
+def _run_shared_ckpt(sc, rank):
+    """The first backward through a block applied twice under reentrant checkpointing raises
+    GradientReducedTwiceError on every rank (recorded), then the same engine trains with
+    non-reentrant checkpointing, two retained backwards per step, against the oracle averaged
+    over the ranks (which never saw the refused batch)."""
+    import copy
+
+    import deepspeed
+    import torch
+    import zero_lifetime
+    from harness import ds_config, losses
+    from test_shared_block_checkpointing import SharedBlockTwice
+    from zero_lifetime.grad_hook_guard import GradientReducedTwiceError
+
+    torch.manual_seed(0)
+    model = SharedBlockTwice()
+    oracle = copy.deepcopy(model)
+    oracle.reentrant = False
+    lr = LR["mlp_norm"]
+    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], lr=lr, **sc["zero"]),
+                                      model_parameters=model.parameters())
+    zero_lifetime.install(engine, policy=sc["policy"])
+    refused = None
+    try:
+        engine.backward(losses(engine(_shard("mlp_norm", 0, rank)))[0])
+    except GradientReducedTwiceError as error:
+        refused = str(error)
+    model.reentrant = False
+    for step in range(1, STEPS + 1):
+        x = _shard("mlp_norm", step, rank)
+        (l1, l2), (r1, r2) = losses(engine(x)), losses(oracle(x))
+        engine.backward(l1, retain_graph=True)
+        engine.backward(l2)
+        (r1 + r2).backward()
+        engine.step()
+        _oracle_step(oracle, opt)
+    abs_diff, excess = _against_oracle(engine, oracle)
+    return end_engine(engine, {"abs_diff": abs_diff, "tol_excess": excess, "refused": refused}, installed=True)
+
+
 def _run_autograd_grad(sc, rank):
     """Per step, in the scenario's order, torch.autograd.grad and a training backward through
     one graph, then step(); against the oracle averaged over the ranks by all_reduce.
@@ -1118,6 +1166,8 @@ def _run_scenario(sc, rank):
         return _run_muon(sc, rank)
     if sc["kind"] == "freeze":
         return _run_freeze(sc, rank)
+    if sc["kind"] == "shared_ckpt":
+        return _run_shared_ckpt(sc, rank)
     return _run_training(sc, rank)
 
 
