@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import zero_lifetime
-from harness import HIDDEN, IN, OUT, TiedLM, assert_weights_match, ds_config, losses, make_input, released_state
+from harness import (DS_VERSION, HIDDEN, IN, OUT, TiedLM, assert_weights_match, ds_config, losses, make_input,
+                     released_state)
 from zero_lifetime.grad_hook_guard import GradientReducedTwiceError
 
 # Smaller than the model's params (about 700 elements): the bucket is reduced mid-backward.
@@ -123,3 +124,26 @@ def test_a_tied_weight_inside_and_outside_a_reentrant_checkpoint_is_refused(stag
     zero_lifetime.install(engine)
     with pytest.raises(GradientReducedTwiceError, match=r"emb\.weight.*tied embedding"):
         engine.backward(sum(losses(engine(make_input("tied_lm", 0)))))
+
+
+class SharedBlockUnderDeepSpeedCheckpoint(SharedBlockTwice):
+    """The same, under DeepSpeed's own checkpoint (always reentrant)."""
+
+    def forward(self, x):
+        from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+        h = self.inp(x)
+        for _ in range(2):
+            h = checkpoint(self.block, h)
+        return self.out(h)
+
+
+@pytest.mark.skipif(DS_VERSION in ("0.17.6", "0.18.9"),
+                    reason="this DeepSpeed's checkpoint needs an accelerator Stream: none on the CPU")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_block_applied_twice_under_deepspeeds_checkpoint_is_refused(stage):
+    torch.manual_seed(0)
+    model = SharedBlockUnderDeepSpeedCheckpoint()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage), model_parameters=model.parameters())
+    zero_lifetime.install(engine)
+    with pytest.raises(GradientReducedTwiceError, match=r"block\.0\..*deepspeed\.checkpointing\.checkpoint"):
+        engine.backward(losses(engine(make_input("mlp_norm", 0).requires_grad_(True)))[0])

@@ -55,12 +55,12 @@ def _reduced_twice_message(name: str, in_leaf_module: bool) -> str:
                        "stage3_module_granularity_threshold), whose params DeepSpeed reduces from a hook that "
                        "fires once per application of the module: apply such a module once per forward, or "
                        "make its submodules the leaf modules. Nothing of this backward was applied.")
-    return head + ("Reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) does "
-                   "this to a param used in more than one segment, or inside one and outside it (a module "
-                   "applied twice, a tied embedding in a checkpointed head): each segment accumulates .grad in "
-                   "a backward of its own. Use use_reentrant=False (the Trainer's "
-                   "activation_checkpointing_kwargs, formerly gradient_checkpointing_kwargs), which accumulates "
-                   "once. Nothing of this backward was applied.")
+    return head + ("Reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True, or "
+                   "deepspeed.checkpointing.checkpoint) does this to a param used in more than one segment, or "
+                   "inside one and outside it (a module applied twice, a tied embedding in a checkpointed head): "
+                   "each segment accumulates .grad in a backward of its own. Use torch.utils.checkpoint with "
+                   "use_reentrant=False (the Trainer's activation_checkpointing_kwargs, formerly "
+                   "gradient_checkpointing_kwargs), which accumulates once. Nothing of this backward was applied.")
 
 
 def _unmanaged_message(names) -> str:
