@@ -352,6 +352,22 @@ def train_step(engine, reference, ref_opt, model_name: str, step: int, backwards
     engine.step()
 
 
+def two_backwards_step_like_torch(engine, out, reference, ref_opt, ref_out):
+    """engine.backward of ``out``'s two losses through the retained graph, then step(); torch's
+    step on ``ref_out``'s summed losses; the weights must match after it, and on ZeRO-3 nothing
+    stays gathered."""
+    l1, l2 = losses(out)
+    engine.backward(l1, retain_graph=True)
+    engine.backward(l2)
+    engine.step()
+    sum(losses(ref_out)).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    if engine.zero_optimization_stage() == 3:
+        assert released_state(engine) == ([], [])
+
+
 def reference_two_backwards(reference, ref_opt, x, zero_grad: bool):
     reference_step_both(ref_opt, *losses(reference(x)), zero_grad)
 

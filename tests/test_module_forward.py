@@ -12,7 +12,8 @@ however the forward ran.
 import pytest
 
 import zero_lifetime
-from harness import DS_VERSION, assert_weights_match, losses, make_input, make_pair, released_state
+from harness import (DS_VERSION, assert_weights_match, losses, make_input, make_pair, released_state,
+                     two_backwards_step_like_torch)
 
 # engine.backward divides by gradient_accumulation_steps: the loss itself on 0.19.8 and 0.17.6;
 # on 0.18.9 only the engine forward's output hooks do, so over a forward that bypassed it
@@ -71,13 +72,5 @@ def test_pin_over_forwards_through_the_module_gathers_again_like_regather(model_
     zero_lifetime.install(engine, policy="pin")
     for step in range(2):
         x = make_input(model_name, step)
-        l1, l2 = losses(engine.module(x))
-        engine.backward(l1, retain_graph=True)
-        engine.backward(l2)
-        engine.step()
-        sum(losses(reference(x))).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert_weights_match(engine, reference)
-        assert released_state(engine) == ([], [])
+        two_backwards_step_like_torch(engine, engine.module(x), reference, ref_opt, reference(x))
     assert zero_lifetime.stats(engine)["peak_pinned_bytes"] == 0

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import zero_lifetime
 from harness import (DS_VERSION, HIDDEN, IN, OUT, TiedLM, assert_weights_match, ds_config, losses, make_input,
-                     released_state)
+                     two_backwards_step_like_torch)
 from zero_lifetime.grad_hook_guard import GradientReducedTwiceError
 
 # Smaller than the model's params (about 700 elements): the bucket is reduced mid-backward.
@@ -50,20 +50,11 @@ def _pair(stage, **zero):
     return engine, reference, torch.optim.SGD(reference.parameters(), lr=0.1)
 
 
-def _train_like_torch(engine, reference, ref_opt, stage, steps, first_input=0):
+def _train_like_torch(engine, reference, ref_opt, steps, first_input=0):
     """Steps of two retained backwards (the two losses), checked against torch after each."""
     for step in range(first_input, first_input + steps):
         x = make_input("mlp_norm", step)
-        l1, l2 = losses(engine(x))
-        engine.backward(l1, retain_graph=True)
-        engine.backward(l2)
-        engine.step()
-        sum(losses(reference(x))).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert_weights_match(engine, reference)
-        if stage == 3:
-            assert released_state(engine) == ([], [])
+        two_backwards_step_like_torch(engine, engine(x), reference, ref_opt, reference(x))
 
 
 @pytest.mark.parametrize("zero", [{}, SMALL_BUCKET, {"overlap_comm": True}],
@@ -77,13 +68,13 @@ def test_reentrant_checkpointing_of_a_block_applied_twice_is_refused_then_traini
     zero_lifetime.install(engine)
     if stage == 1 and not zero.get("overlap_comm"):
         # No hook buckets anything: DeepSpeed reduces the summed .grad at the boundary.
-        _train_like_torch(engine, reference, ref_opt, stage, steps=2)
+        _train_like_torch(engine, reference, ref_opt, steps=2)
         return
     l1, _ = losses(engine(make_input("mlp_norm", 0)))
     with pytest.raises(GradientReducedTwiceError, match=r"block\.0\.(weight|bias).*use_reentrant=False"):
         engine.backward(l1)
     engine.module.reentrant = reference.reentrant = False
-    _train_like_torch(engine, reference, ref_opt, stage, steps=2, first_input=1)
+    _train_like_torch(engine, reference, ref_opt, steps=2, first_input=1)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -91,7 +82,7 @@ def test_non_reentrant_checkpointing_of_a_block_applied_twice_trains_like_torch(
     engine, reference, ref_opt = _pair(stage, **SMALL_BUCKET)
     engine.module.reentrant = reference.reentrant = False
     zero_lifetime.install(engine)
-    _train_like_torch(engine, reference, ref_opt, stage, steps=2)
+    _train_like_torch(engine, reference, ref_opt, steps=2)
 
 
 def test_stock_zero3_with_a_small_bucket_keeps_only_the_last_application_silently():
