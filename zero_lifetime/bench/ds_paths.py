@@ -80,6 +80,10 @@ class _Zero2Bucket:
             bucket.clear()
             bucket.index = 0
         opt.params_already_reduced[:] = [False] * len(opt.params_already_reduced)
+        if self.installation is not None:
+            # As at a backward's start: every param may enter a bucket once more (install
+            # refuses a param bucketed twice in one backward).
+            self.installation.grad_guard.begin_backward()
         for (_, p), grad, original in zip(self.group_params, self.grads, self.originals):
             grad.data = original
             p.grad = grad
