@@ -31,6 +31,7 @@
 import torch
 
 from .adapters.grad_hooks import GradHooks, deepspeed_hooks_are_dead
+from .adapters.grad_window import after_epilogue
 from .adapters.patching import Patches
 
 # torch >= 2.1: a hook on the param itself, nothing to keep alive. Module level so a test
@@ -129,7 +130,7 @@ class GradHookGuard:
         bucket add, so that they see every add."""
         patches = Patches()
         patches.keep(self.hooks.wrap_bucket_add(self._on_bucket_add))
-        patches.keep(self.hooks.after_each_reduction(self._added.clear))
+        patches.keep(after_epilogue(self.hooks.optimizer, self._added.clear))
         return patches
 
     def _on_bucket_add(self, param) -> None:

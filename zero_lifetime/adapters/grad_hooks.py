@@ -17,7 +17,7 @@ import deepspeed.runtime.zero.stage_1_and_2 as stage12_module
 import deepspeed.utils.torch as ds_torch_utils
 
 from .errors import require
-from .grad_window import EPILOGUE, gradient_held_back
+from .grad_window import gradient_held_back
 from .patching import wrap_method
 
 _KEEP_ALIVE_ATTR = "_zero_lifetime_grad_accumulators"  # ours, on the optimizer
@@ -176,14 +176,3 @@ class GradHooks:
             return original(param, *args, **kwargs)
 
         return wrap_method(self.optimizer, _BUCKET_ADD, add)
-
-    def after_each_reduction(self, callback):
-        """``callback()`` after each of DeepSpeed's gradient epilogues returns (it reduces what the
-        buckets still hold and marks every param unreduced again). Returns the patch (``undo()``)."""
-
-        def epilogue(original, *args, **kwargs):
-            result = original(*args, **kwargs)
-            callback()
-            return result
-
-        return wrap_method(self.optimizer, EPILOGUE, epilogue)

@@ -37,6 +37,19 @@ def gradient_held_back(param) -> bool:
     return not getattr(param, _GRAD_READY_FLAG, True)
 
 
+def after_epilogue(optimizer, callback) -> InstancePatch:
+    """``callback()`` after each of DeepSpeed's gradient epilogues returns (it reduces what the
+    buckets still hold and marks every param unreduced again); ``undo()`` on the result puts
+    back what was there before."""
+
+    def epilogue(original, *args, **kwargs):
+        result = original(*args, **kwargs)
+        callback()
+        return result
+
+    return wrap_method(optimizer, EPILOGUE, epilogue)
+
+
 def bucket_setup_method(optimizer) -> str:
     """The ZeRO-1/2 method that allocates the IPG buckets and advances the micro step, once per
     backward: ``setup_buckets`` (0.18.9, 0.19.8) or ``backward_prologue`` (0.17.6)."""

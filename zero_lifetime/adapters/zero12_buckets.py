@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
 from .errors import require
-from .grad_window import EPILOGUE
+from .grad_window import after_epilogue
 from .patching import Patches
 
 _ADD = "reduce_independent_p_g_buckets_and_remove_grads"
@@ -88,13 +88,7 @@ class Zero12Buckets:
 
     def after_epilogue(self, callback) -> None:
         """``callback()`` after each backward's epilogue (its last reduction) returns; undone by restore()."""
-
-        def epilogue(original, *args, **kwargs):
-            result = original(*args, **kwargs)
-            callback()
-            return result
-
-        self._patches.wrap(self.optimizer, EPILOGUE, epilogue)
+        self._patches.keep(after_epilogue(self.optimizer, callback))
 
     def restore(self) -> None:
         self._patches.undo()
