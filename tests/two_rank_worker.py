@@ -630,11 +630,12 @@ def _run_stock(sc, rank):
     return record
 
 
-def _mlp_engine_and_oracle(sc, zero=None, config=None, prepare=None, install=True):
-    """mlp_norm from one seed twice: a DeepSpeed engine of ``sc``'s stage (``zero``: more
-    zero_optimization settings; ``config``: top-level ones; ``prepare(model)`` runs before
-    ``deepspeed.initialize``), installed with ``sc``'s policy unless ``install`` is False, and
-    the plain-torch oracle with its SGD. Returns (engine, oracle, opt)."""
+def _mlp_engine_and_oracle(sc, zero=None, config=None, prepare=None, install=True, make_model=None):
+    """mlp_norm (or ``make_model()``, with mlp_norm's inputs and lr) from one seed twice: a
+    DeepSpeed engine of ``sc``'s stage (``zero``: more zero_optimization settings; ``config``:
+    top-level ones; ``prepare(model)`` runs before ``deepspeed.initialize``), installed with
+    ``sc``'s policy unless ``install`` is False, and the plain-torch oracle with its SGD.
+    Returns (engine, oracle, opt)."""
     import copy
 
     import deepspeed
@@ -643,7 +644,7 @@ def _mlp_engine_and_oracle(sc, zero=None, config=None, prepare=None, install=Tru
     from harness import MODELS, ds_config
 
     torch.manual_seed(0)
-    model = MODELS["mlp_norm"]()
+    model = (make_model or MODELS["mlp_norm"])()
     oracle = copy.deepcopy(model)
     lr = LR["mlp_norm"]
     opt = torch.optim.SGD(oracle.parameters(), lr=lr)
@@ -828,30 +829,18 @@ def _run_shared_ckpt(sc, rank):
     GradientReducedTwiceError on every rank (recorded), then the same engine trains with
     non-reentrant checkpointing, two retained backwards per step, against the oracle averaged
     over the ranks (which never saw the refused batch)."""
-    import copy
-
-    import deepspeed
-    import torch
-    import zero_lifetime
-    from harness import ds_config, losses
+    from harness import losses
     from test_shared_block_checkpointing import SharedBlockTwice
     from zero_lifetime.grad_hook_guard import GradientReducedTwiceError
 
-    torch.manual_seed(0)
-    model = SharedBlockTwice()
-    oracle = copy.deepcopy(model)
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, zero=sc["zero"], make_model=SharedBlockTwice)
     oracle.reentrant = False
-    lr = LR["mlp_norm"]
-    opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(sc["stage"], lr=lr, **sc["zero"]),
-                                      model_parameters=model.parameters())
-    zero_lifetime.install(engine, policy=sc["policy"])
     refused = None
     try:
         engine.backward(losses(engine(_shard("mlp_norm", 0, rank)))[0])
     except GradientReducedTwiceError as error:
         refused = str(error)
-    model.reentrant = False
+    engine.module.reentrant = False
     for step in range(1, STEPS + 1):
         x = _shard("mlp_norm", step, rank)
         (l1, l2), (r1, r2) = losses(engine(x)), losses(oracle(x))
