@@ -41,9 +41,10 @@ class SharedBlockTwice(torch.nn.Module):
         return self.out(h)
 
 
-def _pair(stage, **zero):
+def _pair(stage, make_model=None, **zero):
+    """An engine over ``make_model()`` (SharedBlockTwice), a torch copy and its SGD."""
     torch.manual_seed(0)
-    model = SharedBlockTwice()
+    model = (make_model or SharedBlockTwice)()
     reference = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, **zero),
                                       model_parameters=model.parameters())
@@ -109,9 +110,7 @@ class TiedHeadCheckpointed(TiedLM):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_tied_weight_inside_and_outside_a_reentrant_checkpoint_is_refused(stage):
-    torch.manual_seed(0)
-    model = TiedHeadCheckpointed()
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage), model_parameters=model.parameters())
+    engine, _, _ = _pair(stage, TiedHeadCheckpointed)
     zero_lifetime.install(engine)
     with pytest.raises(GradientReducedTwiceError, match=r"emb\.weight.*tied embedding"):
         engine.backward(sum(losses(engine(make_input("tied_lm", 0)))))
@@ -132,9 +131,7 @@ class SharedBlockUnderDeepSpeedCheckpoint(SharedBlockTwice):
                     reason="this DeepSpeed's checkpoint needs an accelerator Stream: none on the CPU")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_block_applied_twice_under_deepspeeds_checkpoint_is_refused(stage):
-    torch.manual_seed(0)
-    model = SharedBlockUnderDeepSpeedCheckpoint()
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage), model_parameters=model.parameters())
+    engine, _, _ = _pair(stage, SharedBlockUnderDeepSpeedCheckpoint)
     zero_lifetime.install(engine)
     with pytest.raises(GradientReducedTwiceError, match=r"block\.0\..*deepspeed\.checkpointing\.checkpoint"):
         engine.backward(losses(engine(make_input("mlp_norm", 0).requires_grad_(True)))[0])
