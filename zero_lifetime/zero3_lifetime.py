@@ -7,6 +7,14 @@ Under policy "pin" a referenced param is not released at all until its last
 handle dies. A pre-AccumulateGrad hook gathers a param before its gradient lands,
 so a second backward never accumulates into an empty (numel 0) param.
 
+A forward that bypasses the engine (``engine.module(x)``, a method of the model) runs under
+the same hooks (``zero3_bypassing_forward``). DeepSpeed's per-module backward counters, which a
+second backward needs back to fetch module by module again, are recorded as the root's forward
+returns and set back as a second backward opens at the hook on the root's outputs. A forward of
+modules without the root has no hook that opens its backwards before DeepSpeed's module hooks
+run: its counters are recorded as each outermost module returns and set back as each backward
+over it ends.
+
 A handle dies on whichever thread drops a graph's last reference: on 2 ranks that can be
 gloo's worker thread, freeing a finished all-gather's tensor. DeepSpeed's param state is not
 thread-safe, so the release of a pin is only ever done on the training thread: one that dies
@@ -20,6 +28,7 @@ import torch
 
 from .adapters.zero3_params import PinnedParamsStayGathered, Zero3Params
 from .outer_saved_tensor_hooks import chained_with, hooks_in_force
+from .zero3_bypassing_forward import BypassingForwards
 
 
 _PIN_WITH_FAST_SHARDING = (
@@ -51,6 +60,12 @@ class Zero3Lifetime:
         self._modules = list(engine.module.modules())
         self._counters_after_forward = []
         self._counters_consumed = False  # a backward over the latest forward has run
+        # The latest forward ran modules without the root: its counters are set back as each
+        # backward over it ends.
+        self._restore_counters_at_backward_end = False
+        self._root = engine.module
+        self.bypassing = BypassingForwards(self.saved_tensors_hooks, lambda: bool(self._threads_in_calls),
+                                           self._bypassing_forward_started, self._bypassing_module_returned)
 
         self._pinned_stay = None
         tracker.set_available_status(Zero3Params.AVAILABLE)
@@ -59,13 +74,13 @@ class Zero3Lifetime:
             tracker.register_param(param)
             if param.requires_grad:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._after_accumulate))
-        # Only modules that own params get the hook, each with its params looked up once:
-        # module.parameters(recurse=False) costs ~3 us a call, every forward of every module.
-        # After DeepSpeed's pre-forward hook of the module, which gathers its params.
+        # Each module's params looked up once: module.parameters(recurse=False) costs ~3 us a
+        # call, every forward of every module. After DeepSpeed's pre-forward hook of the
+        # module, which gathers its params.
+        before_forward = torch.compiler.disable(self._before_module_forward)
         for module in self._modules:
             own = tuple(module.parameters(recurse=False))
-            if own:
-                module_hooks.forward_pre_hook(module, self._note_gathered_hook(own))
+            module_hooks.forward_pre_hook(module, self._note_gathered_hook(own) if own else before_forward)
         # Last, so nothing after it can fail with the params' partition() replaced: a
         # GatheredParameters context (logging, an EMA copy) must not free what a graph pinned.
         if tracker.policy == "pin":
@@ -83,14 +98,29 @@ class Zero3Lifetime:
     def _note_gathered_hook(self, params):
         note_gathered_all = self.tracker.note_gathered_all
 
-        def note_gathered_before_forward(_module, _inputs):
+        def note_gathered_before_forward(module, _inputs):
             # Record where each gathered param lives, so a saved tensor that shares its
             # storage without being an autograd view of it is still recognised.
             note_gathered_all(params)
+            self.bypassing.before_module_forward(module)
 
         # Under engine.compile() module hooks run inside the compiled call: run this one as
         # written, never traced (Dynamo would guard on the params' state and recompile).
         return torch.compiler.disable(note_gathered_before_forward)
+
+    def _before_module_forward(self, module, _inputs) -> None:
+        self.bypassing.before_module_forward(module)
+
+    def _bypassing_forward_started(self) -> None:
+        if self._counters_consumed:  # a new forward: what was recorded belongs to the one before
+            self._counters_after_forward = []
+            self._counters_consumed = False
+        # A root forward that encloses this one (engine.module(x)) records all as it returns.
+        self._restore_counters_at_backward_end = True
+
+    def _bypassing_module_returned(self, module) -> None:
+        if module is not self._root:  # the root's forward hook records every module
+            self._counters_after_forward.extend(self.zparams.module_counters(list(module.modules())))
 
     def weights_changed(self, step_note: str = "") -> None:
         """An optimizer step updated the weights: params saved before it refuse to unpack,
@@ -100,6 +130,7 @@ class Zero3Lifetime:
     def after_forward(self) -> None:
         self._counters_after_forward = self.zparams.module_counters(self._modules)
         self._counters_consumed = False
+        self._restore_counters_at_backward_end = False
 
     def rearm_if_another_backward(self) -> None:
         """Another backward over the same forward (after a backward or a
@@ -107,7 +138,7 @@ class Zero3Lifetime:
         set back to what the forward left, so it fetches and releases module by module as in
         the first. Without it a module whose post-backward hook the first pass never reached
         (its input was not asked for) releases in the second with no fetch on record."""
-        if self._counters_consumed:
+        if self._counters_consumed and not self._restore_counters_at_backward_end:
             self.zparams.restore_module_counters(self._counters_after_forward)
 
     def begin(self, forward: bool = False) -> None:
@@ -146,6 +177,8 @@ class Zero3Lifetime:
     def end_of_backward(self) -> None:
         """Release what this backward gathered on demand; run releases that waited."""
         self._counters_consumed = True
+        if self._restore_counters_at_backward_end:
+            self.zparams.restore_module_counters(self._counters_after_forward)
         for ds_id in sorted(self._regathered):
             param = self.params[ds_id]
             if not self.tracker.is_pinned(param):
