@@ -20,6 +20,7 @@ from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hi
                                            step_called_by_accelerate_backward)
 from .reporting import StatsReporter, get_logger
 from .output_views import OutputViews
+from .plain_backward import PlainBackwardCheck
 from .tensor_containers import tensors_in
 
 logger = get_logger()
@@ -124,6 +125,7 @@ class Installation:
         self.trl_fused_head = None  # ZeRO-3: TRL's fused LM head, told that saved params come back gathered
         self.chained = None  # undoes this engine's output division on engine outputs it is fed
         self.output_views = None  # divides each output's gradient once, not once per output it passes
+        self.plain_backward = None  # a loss.backward() over a forward that bypassed engine(...)
         try:
             self.backward = make_engine_backward(engine)
             self._install_components(engine, policy, max_pinned_bytes, check_bucket_order)
@@ -177,6 +179,7 @@ class Installation:
         # (restore() undoes self._patches before those).
         self._patches.keep(self.grad_guard.refuse_gradients_added_twice())
         self.reporter = StatsReporter(engine, self.stats)
+        self.plain_backward = PlainBackwardCheck(engine, self.backward, lambda: self.engine.zero_grad())
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
         # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
@@ -242,6 +245,8 @@ class Installation:
             self.tracker.unregister_all()
         if self.grad_guard is not None:
             self.grad_guard.restore()
+        if self.plain_backward is not None:
+            self.plain_backward.restore()
         if self.backward is not None:
             self.backward.restore()
 
@@ -492,6 +497,8 @@ class Installation:
             self.enter_from_inner_hook()
             if self._accumulating:
                 self.window.note_gradient(param)
+                if self.plain_backward.prologue_unsure:
+                    self.plain_backward.before_first_gradient()
             if self.lifetime is not None:
                 self.lifetime.before_accumulate(param)
             return None
@@ -572,6 +579,7 @@ class Installation:
             if self.accumulation is not None:  # before this backward's gradients are noted
                 self.accumulation.begin_backward(self.window.reached_in_window)
             self.grad_guard.begin_backward(taken_earlier=self._gradients_before_backward)
+            self.plain_backward.begin(entry_hooks_missing=self._entered_via_outputs and not managers)
             for param in self._gradients_before_backward.values():
                 self.window.note_gradient(param)
             self._forget_carried_gradients()  # a tiled compute cut short: its shards join this one
@@ -600,6 +608,7 @@ class Installation:
             if self.zero1_sums is not None:
                 self.zero1_sums.backward_finished()
             self.grad_guard.check_backward(self.window.params_this_backward())
+            self.plain_backward.end()
 
     # ---- faults ----------------------------------------------------------------------------
 

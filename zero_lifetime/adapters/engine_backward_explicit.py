@@ -102,6 +102,18 @@ class ExplicitEngineBackward(EngineBackwardBase):
     def run_prologue(self) -> None:
         """engine.backward() already ran it (check_backward_entry refused any other entry)."""
 
+    def engine_backward_running(self) -> bool:
+        return self._inside_engine_backward
+
+    @staticmethod
+    def prologue_pending() -> bool:
+        return False  # every backward that gets this far runs inside engine.backward
+
+    @staticmethod
+    def note_output_hooks_ran(on_ran):
+        """There are no hooks on the forward outputs: engine.backward(loss) divides the loss."""
+        return Patches()  # nothing patched
+
     def reset_after_failed_backward(self) -> None:
         """An exception inside loss.backward() skipped the epilogue."""
         self._inside_engine_backward = False

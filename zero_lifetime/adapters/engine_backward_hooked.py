@@ -8,6 +8,7 @@ a retained graph therefore gets neither. These helpers re-arm both.
 
 from .engine_backward import EngineBackwardBase
 from .errors import require
+from .patching import wrap_method
 
 _HOOK_MANAGERS_ATTR = "_backward_hook_managers"
 
@@ -25,6 +26,13 @@ class HookedEngineBackward(EngineBackwardBase):
                      "post_backward_callback_queued"):
             require(state, name, "a ZeRO backward hook state field")
         require(self.optimizer, "clear_backward_seen_flag", "the ZeRO new-micro-step reset")
+        require(engine, "_running_engine_backward", "the engine's own-backward flag")
+        require(engine, "_backward_prologue_per_tensor", "the engine's output-gradient division")
+        from deepspeed.runtime import engine as engine_module
+        # 0.19.8 marks the graph of each engine.backward (its loss divided); 0.18.9 does not.
+        self._engine_graphs = getattr(engine_module, "_ENGINE_BACKWARD_GRAPH_TRACKER", None)
+        if self._engine_graphs is not None:
+            require(self._engine_graphs, "is_current_graph_registered", "the engine-backward graph marks")
         from deepspeed.runtime.utils import OutputBackwardHookManager
         # An instance attribute: probe a fresh manager (construction has no side effects).
         probe = OutputBackwardHookManager(lambda: None)
@@ -95,6 +103,31 @@ class HookedEngineBackward(EngineBackwardBase):
     def run_prologue(self) -> None:
         """DeepSpeed's backward prologue, for backwards that never pass the forward outputs."""
         self.engine._backward_prologue()
+
+    def engine_backward_running(self) -> bool:
+        """Is DeepSpeed's own backward running? This engine's backward (called by anyone, a
+        pipeline schedule's included) or a pipeline stage's backward of its outputs, and on
+        0.19.8 any engine's backward (it marks the graph, whose loss it divided). Those divide
+        by gradient_accumulation_steps as they mean to."""
+        if self.engine._running_engine_backward:
+            return True
+        return self._engine_graphs is not None and self._engine_graphs.is_current_graph_registered()
+
+    def prologue_pending(self) -> bool:
+        """Has no DeepSpeed prologue opened the running backward?"""
+        return self._state.backward_active_depth == 0
+
+    def note_output_hooks_ran(self, on_ran):
+        """``on_ran()`` each time one of the hooks engine.forward puts on its outputs handles a
+        gradient (dividing it by gradient_accumulation_steps, unless DeepSpeed decides the loss
+        was divided already). The function is looked up on the engine at each forward, so
+        forwards from now on are seen. Returns the patch (``undo()``)."""
+
+        def per_output(original, grad):
+            on_ran()
+            return original(grad)
+
+        return wrap_method(self.engine, "_backward_prologue_per_tensor", per_output)
 
     def reset_after_failed_backward(self) -> None:
         """An exception inside backward skipped DeepSpeed's epilogue: leave no backward open."""
