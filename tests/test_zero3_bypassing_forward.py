@@ -126,3 +126,28 @@ def test_inside_the_users_saved_tensor_hooks_they_keep_what_is_saved():
             out = _forward_without_root_hooks(engine, x)
         assert packed_params, "no param reached these hooks"  # (which ones depends on the release)
         two_backwards_step_like_torch(engine, out, reference, ref_opt, reference(x))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("forward", ["module", "root_function"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_such_a_forward_between_two_backwards_over_an_engine_forward(model_name, forward, grad):
+    """An evaluation or logging forward between the two backwards of a step: what it records
+    of DeepSpeed's module counters must not take the engine forward's place."""
+    engine, reference, ref_opt = make_pair(model_name, 3)
+    zero_lifetime.install(engine)
+    model = engine.module
+    for step in range(2):
+        x = make_input(model_name, step)
+        l1, l2 = losses(engine(x))
+        engine.backward(l1, retain_graph=True)
+        with torch.set_grad_enabled(grad):
+            y = make_input(model_name, 100 + step)
+            model(y) if forward == "module" else _forward_without_root_hooks(engine, y)
+        engine.backward(l2)
+        engine.step()
+        sum(losses(reference(x))).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_weights_match(engine, reference)
+        assert released_state(engine) == ([], [])
