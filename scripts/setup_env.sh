@@ -16,6 +16,8 @@ fi
 "$PY" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0"
 # TRL for tests/test_trl.py and the two-rank generation scenarios.
 "$PY" -m pip install -q "trl==1.16.0"
+# PEFT for tests/test_peft.py (LoRA adapters over a frozen base).
+"$PY" -m pip install -q "peft==0.21.2"
 # Builds the C++ core ahead of time (zero_lifetime._C) against the installed torch.
 "$PY" -m pip install -q --no-build-isolation -e .
 # A JIT build killed half-way leaves torch's lock behind, and every later build of that
