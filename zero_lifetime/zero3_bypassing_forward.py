@@ -9,8 +9,11 @@ of such a forward pushes the same hooks as it starts, and a one-shot forward hoo
 them as it returns, also when it raises (only that module gets one: a hook on every module
 would break graphs under engine.compile() in every forward).
 
-Not inside another pair of saved-tensor hooks (a checkpointed region's: what it saves is its
-own, as under the engine's forward), nor inside a backward (a checkpoint's recomputation).
+Not inside another pair of saved-tensor hooks: a checkpointed region's (what it saves is its
+own, as under the engine's forward), or the user's activation offloading around the call (it
+keeps what is saved, params too, as stock: the two cannot be told apart cheaply, and
+``engine(x)`` chains with the user's instead). Nor inside a backward (a checkpoint's
+recomputation).
 """
 
 import torch
