@@ -151,3 +151,16 @@ def test_such_a_forward_between_two_backwards_over_an_engine_forward(model_name,
         ref_opt.zero_grad()
         assert_weights_match(engine, reference)
         assert released_state(engine) == ([], [])
+
+
+def test_forwards_with_no_backward_between_them_keep_one_record_per_module():
+    """An evaluation loop through a method: what is recorded of DeepSpeed's counters for the
+    next backward stays one entry per module (appended per forward, it grew without end)."""
+    engine, reference, ref_opt = make_pair("ckpt_nonreentrant", 3)
+    installation = zero_lifetime.install(engine)
+    with torch.no_grad():
+        for batch in range(20):
+            _forward_without_root_hooks(engine, make_input("ckpt_nonreentrant", batch))
+    assert 0 < len(installation.lifetime._counters_after_forward) <= len(list(engine.module.modules()))
+    x = make_input("ckpt_nonreentrant", 0)
+    _step_like_torch(engine, reference, ref_opt, x, _forward_without_root_hooks(engine, x), "engine")

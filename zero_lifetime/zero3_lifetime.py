@@ -58,7 +58,7 @@ class Zero3Lifetime:
         self.accumulate_regathers = 0
         self._hook_handles = []
         self._modules = list(engine.module.modules())
-        self._counters_after_forward = []
+        self._counters_after_forward = {}  # module -> DeepSpeed's counters: one entry each, latest wins
         self._counters_consumed = False  # a backward over the latest forward has run
         # The latest forward ran modules without the root: its counters are set back as each
         # backward over it ends.
@@ -113,14 +113,16 @@ class Zero3Lifetime:
 
     def _bypassing_forward_started(self) -> None:
         if self._counters_consumed:  # a new forward: what was recorded belongs to the one before
-            self._counters_after_forward = []
+            self._counters_after_forward = {}
             self._counters_consumed = False
         # A root forward that encloses this one (engine.module(x)) records all as it returns.
         self._restore_counters_at_backward_end = True
 
     def _bypassing_module_returned(self, module) -> None:
         if module is not self._root:  # the root's forward hook records every module
-            self._counters_after_forward.extend(self.zparams.module_counters(list(module.modules())))
+            # Updated, not appended: forwards with no backward between them (an evaluation loop
+            # through a method) would grow it without end.
+            self._counters_after_forward.update(self.zparams.module_counters(list(module.modules())))
 
     def weights_changed(self, step_note: str = "") -> None:
         """An optimizer step updated the weights: params saved before it refuse to unpack,
@@ -128,7 +130,7 @@ class Zero3Lifetime:
         self.tracker.advance_weights_epoch(step_note)
 
     def after_forward(self) -> None:
-        self._counters_after_forward = self.zparams.module_counters(self._modules)
+        self._counters_after_forward = dict(self.zparams.module_counters(self._modules))
         self._counters_consumed = False
         self._restore_counters_at_backward_end = False
 
@@ -139,7 +141,7 @@ class Zero3Lifetime:
         the first. Without it a module whose post-backward hook the first pass never reached
         (its input was not asked for) releases in the second with no fetch on record."""
         if self._counters_consumed and not self._restore_counters_at_backward_end:
-            self.zparams.restore_module_counters(self._counters_after_forward)
+            self.zparams.restore_module_counters(self._counters_after_forward.items())
 
     def begin(self, forward: bool = False) -> None:
         if not self._threads_in_calls:
@@ -178,7 +180,7 @@ class Zero3Lifetime:
         """Release what this backward gathered on demand; run releases that waited."""
         self._counters_consumed = True
         if self._restore_counters_at_backward_end:
-            self.zparams.restore_module_counters(self._counters_after_forward)
+            self.zparams.restore_module_counters(self._counters_after_forward.items())
         for ds_id in sorted(self._regathered):
             param = self.params[ds_id]
             if not self.tracker.is_pinned(param):
