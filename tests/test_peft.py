@@ -17,12 +17,12 @@ import torch
 pytest.importorskip("peft")  # installed by scripts/setup_env.sh
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import deepspeed  # noqa: E402
 import zero_lifetime  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-from harness import TORCH_STYLE_BACKWARD  # noqa: E402
+from harness import TORCH_STYLE_BACKWARD, backward_both  # noqa: E402
 
 LR, VOCAB = 0.1, 64
 PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]
@@ -73,12 +73,7 @@ def _train(engine, reference, oracle_optimizer, gas, path, reference_through, in
     for micro_step in range(2 * gas):
         ids = _batch(micro_step)
         l1, l2 = _losses(engine, engine.module, ids, reference_through)
-        if path == "engine":
-            engine.backward(l1, retain_graph=True)
-            engine.backward(l2)
-        else:
-            l1.backward(retain_graph=True)
-            l2.backward()
+        backward_both(engine, l1, l2, path, zero_grad=False)
         engine.step()
         r1, r2 = _losses(reference, reference, ids, reference_through)
         ((r1 + r2) / gas).backward()

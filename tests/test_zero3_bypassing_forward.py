@@ -13,7 +13,7 @@ import torch
 
 import zero_lifetime
 from harness import (TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair,
-                     released_state, two_backwards_step_like_torch)
+                     released_state, two_backwards, two_backwards_step_like_torch)
 from zero_lifetime.outer_saved_tensor_hooks import hooks_in_force
 
 MODELS = ["mlp_norm", "split_heads", "ckpt_reentrant", "ckpt_nonreentrant"]
@@ -26,18 +26,8 @@ def _forward_without_root_hooks(engine, x):
     return type(model).forward(model, x)
 
 
-def _two_backwards(engine, out, path):
-    l1, l2 = losses(out)
-    if path == "engine":
-        engine.backward(l1, retain_graph=True)
-        engine.backward(l2)
-    else:
-        l1.backward(retain_graph=True)
-        l2.backward()
-
-
 def _step_like_torch(engine, reference, ref_opt, x, out, path):
-    _two_backwards(engine, out, path)
+    two_backwards(engine, out, path, zero_grad=False)
     engine.step()
     sum(losses(reference(x))).backward()
     ref_opt.step()
@@ -92,7 +82,7 @@ def test_stock_fails_on_the_second_backward(model_name):
     engine, reference, ref_opt = make_pair(model_name, 3)
     with pytest.raises(RuntimeError, match="size of tensor a"):
         x = make_input(model_name, 0)
-        _two_backwards(engine, _forward_without_root_hooks(engine, x), "engine")
+        two_backwards(engine, _forward_without_root_hooks(engine, x), "engine", zero_grad=False)
 
 
 def test_a_forward_that_raises_leaves_no_hooks_in_force_and_training_goes_on():
