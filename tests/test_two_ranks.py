@@ -8,6 +8,7 @@ measured and the tests below assert on it, one named test per scenario.
 """
 
 import pytest
+import torch
 
 import two_rank_worker as worker
 from rank_spawn import assert_same_weights, spawn_ranks
@@ -45,6 +46,11 @@ ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
 ORDER_GAS = [sc for sc in BUCKET_ORDER if "gas" in sc]
 ORDER_UNCHECKED = [sc for sc in BUCKET_ORDER if not sc["check"]]
 TRACE_CHANGES = [sc for sc in TRAINING if sc["id"].startswith("trace-changes-")]
+# DeepSpeed's other bucket reductions (all-reduce with pre-division or prescaling) and
+# ZeRO-1/2's round-robin partitioning; their weights against DDP: test_retained_backwards_match_ddp.
+REDUCTIONS12 = [sc for sc in RETAINED if sc["id"].startswith(("reduction-", "round_robin-")) and sc["stage"] != 3]
+COMM_DTYPES = sorted({(sc["stage"], sc["config"]["communication_data_type"])
+                      for sc in worker.SCENARIOS if sc["kind"] == "comm_dtype"})
 CHECKPOINTED12 = [sc for sc in RETAINED if sc["model"].startswith("ckpt_") and sc["stage"] in (1, 2)]
 
 
@@ -80,6 +86,38 @@ def test_sanity_plain_backward_matches_ddp(results, sc):
 @pytest.mark.parametrize("sc", RETAINED, ids=_ids(RETAINED))
 def test_retained_backwards_match_ddp(results, sc):
     _assert_matches_ddp(results, sc)
+
+
+@pytest.mark.parametrize("sc", REDUCTIONS12, ids=_ids(REDUCTIONS12))
+def test_other_reductions_take_the_fused_bucket_fill(results, sc):
+    """Every backward filled DeepSpeed's buckets through the fused fill. Before an all-reduce
+    DeepSpeed divides (or not) by its own factors, so the fill must leave the values as they are."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        stats = record["stats"]
+        assert stats["bucket_fills"] > 0 and stats["filled_grads"] > 0, f"rank {rank}: {stats}"
+        if sc["zero"].get("reduce_scatter") is False:
+            assert stats["prescaled_fills"] == 0, f"rank {rank}: {stats}"
+
+
+@pytest.mark.parametrize("stage, comm", COMM_DTYPES, ids=[f"stage{s}-{c}" for s, c in COMM_DTYPES])
+def test_low_precision_communication(results, stage, comm):
+    """An fp32 model whose gradients DeepSpeed communicates in bf16 or fp16. One backward per
+    micro-step: installed ends on stock's weights exactly (the fill's conversion rounds as
+    torch's copy does; its division by the 2 ranks is exact in any dtype). Two backwards: within
+    the rounding of the communicated gradients of DDP's fp32 weights (each backward's gradient
+    is rounded on its own, so not stock's one backward of the summed losses either)."""
+    stock, installed, retained = (results.records(f"comm_{comm}-stage{stage}-{kind}")
+                                  for kind in ("stock", "installed", "retained"))
+    eps = torch.finfo({"bf16": torch.bfloat16, "fp16": torch.float16}[comm]).eps
+    for rank in range(worker.WORLD):
+        assert_same_weights(installed[rank]["weights"], stock[rank]["weights"], rank, atol=0, rtol=0)
+        record = retained[rank]
+        assert 1e-3 < record["moved"] < 10, f"rank {rank}: oracle weights moved by {record['moved']}"
+        bound = 2 * eps * record["moved"]
+        bad = {n: d for n, d in record["abs_diff"].items() if not d <= bound}
+        assert not bad, f"rank {rank}: further than {bound:.2e} from DDP's weights: {bad}"
+        if stage != 3:
+            assert record["stats"]["bucket_fills"] > 0, f"rank {rank}: {record['stats']}"
 
 
 @pytest.mark.parametrize("sc", CHECKPOINTED12, ids=_ids(CHECKPOINTED12))

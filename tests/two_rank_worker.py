@@ -43,16 +43,19 @@ CONTROL_TIMEOUT_S = 45
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
               persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None,
-              compile=None, leaf=False, generation=False):
+              compile=None, leaf=False, generation=False, config=None, weights="full_fp32"):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
     ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
-    ``zero``: more zero_optimization settings (param offload, ZeRO++).
+    ``zero``: more zero_optimization settings (param offload, ZeRO++); ``config``: top-level ones.
+    ``weights``: "full_fp32", the engine's weights compared are DeepSpeed's fp32 masters;
+    "param_data", the params' own data (ZeRO-1/2); "recorded", the masters, also kept in the record.
     ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``.
     ``leaf``: the LayerNorm is a ZeRO-3 leaf module (``set_z3_leaf_modules``).
     ``generation``: each step begins with a forward in TRL's generation context (``_generate``)."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
-                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf, generation=generation)
+                gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf, generation=generation,
+                config=config or {}, weights=weights)
 
 
 def _build_scenarios():
@@ -112,6 +115,40 @@ def _build_scenarios():
                                                ("tied_lm", "regather", "manual", False)):
             sid = f"two-stage3-{model}-{variant}-{policy}-{path}-{zg_ids[zero_grad]}"
             out.append(_scenario(sid, "steps", 3, path, zero_grad, policy, model, zero=zero))
+    # DeepSpeed's other ways of reducing a bucket: an all-reduce instead of its reduce-scatter,
+    # with the division split around it (gradient_predivide_factor) or before it
+    # (prescale_gradients); on ZeRO-1 also beside the reduce-scatter. Two backwards in the
+    # first micro-step of each accumulation window, one plain backward in the second.
+    window = [2, 2, 1, 2, 2, 1]
+    reductions = {"allreduce-predivide4": ({"reduce_scatter": False}, {"gradient_predivide_factor": 4.0}),
+                  "allreduce-prescale": ({"reduce_scatter": False}, {"prescale_gradients": True})}
+    for stage in (1, 2, 3):
+        for name, (zero, config) in reductions.items():
+            for path in ("engine", "manual"):
+                out.append(_scenario(f"reduction-stage{stage}-{name}-{path}", "steps", stage, path, schedule=window,
+                                     gas=2, zero=zero, config=config))
+    out.append(_scenario("reduction-stage1-reduce_scatter-predivide4-engine", "steps", 1, schedule=window, gas=2,
+                         config={"gradient_predivide_factor": 4.0}))
+    # ZeRO-1/2's round-robin gradient partitioning, made for optimizer offload: DeepSpeed
+    # reorders the params in its flat buffers. Its fp32 view of a param
+    # (safe_get_full_fp32_param) then reads another param's slice (the mapping assumes the
+    # model's order when no padding was added), so these compare the params themselves.
+    for stage in (1, 2):
+        for offload in (False, True):
+            sid = f"round_robin-stage{stage}-{'offload' if offload else 'no_offload'}"
+            out.append(_scenario(sid, "steps", stage, schedule=window, gas=2, offload=offload,
+                                 zero={"round_robin_gradients": True}, weights="param_data"))
+    # Gradients communicated in bf16 or fp16 on an fp32 model (communication_data_type):
+    # the buckets hold the low-precision copies the fused fill converts to. Installed with one
+    # backward per step against stock, weight for weight; two backwards against DDP within
+    # the rounding of the communicated gradients.
+    for stage in (1, 2, 3):
+        for comm in (("bf16", "fp16") if stage == 2 else ("bf16", )):
+            config = {"communication_data_type": comm}
+            for kind, install, schedule in (("stock", False, [1] * 6), ("installed", True, [1] * 6),
+                                            ("retained", True, window)):
+                out.append(_scenario(f"comm_{comm}-stage{stage}-{kind}", "comm_dtype", stage, schedule=schedule, gas=2,
+                                     install=install, config=config, weights="recorded"))
     # Activation checkpointing: a reentrant checkpoint runs a backward inside the backward,
     # with DeepSpeed's hooks firing in it (ZeRO-1/2: the bucket order check must still run
     # once per outer backward, test_two_ranks checks the count).
@@ -539,6 +576,7 @@ def _run_training(sc, rank):
     lr = LR[sc["model"]]
     offload = {"offload_optimizer": {"device": "cpu"}} if sc["offload"] else {}
     cfg = ds_config(sc["stage"], sc["persistence"], lr=lr, gas=sc["gas"], **offload, **sc.get("zero", {}))
+    cfg.update(sc.get("config") or {})
     if sc["zero_init"]:
         model = _built_in_zero_init(sc["model"], cfg, initial)
     _mark_leaf_modules(model, sc)
@@ -559,7 +597,7 @@ def _run_training(sc, rank):
 
     record = {"compiled_graphs": backend.graphs if backend else 0, "compiled_steps": compiled_steps}
     gc.collect()  # the step helpers' graphs are gone; nothing may hold a handle now
-    record["stats"] = zero_lifetime.stats(engine)
+    record["stats"] = zero_lifetime.stats(engine) if sc["install"] else {}
     if sc["stage"] == 3:
         gathered, inconsistent = released_state(engine)
         record["gathered_non_persistent"] = gathered
@@ -567,7 +605,11 @@ def _run_training(sc, rank):
         record["n_non_persistent"] = sum(not getattr(p, "ds_persist", False) for p in engine.module.parameters())
         record["secondary_tensors"] = secondary
     want = {n: p.detach() for n, p in ddp_model.named_parameters()}
-    record["abs_diff"], record["tol_excess"] = _compare(full_weights(engine), want)
+    got = ([p.detach().clone() for p in engine.module.parameters()] if sc["weights"] == "param_data" else
+           full_weights(engine))
+    if sc["weights"] == "recorded":
+        record["weights"] = {n: g.tolist() for n, g in zip(want, got)}
+    record["abs_diff"], record["tol_excess"] = _compare(got, want)
     record["oracle_abs_diff"], record["oracle_tol_excess"] = _compare(
         [p.detach() for p in ar_model.parameters()], want)
     moved = max((want[n] - initial[n]).abs().max().item() for n in want)
