@@ -64,8 +64,9 @@ def zero_grad_between_losses(out):
 
 
 def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, clip: float = 0.0,
-           gas: int = None):
-    """``gas``: the accumulation steps, when not the mode's own."""
+           gas: int = None, comm: str = None):
+    """``gas``: the accumulation steps, when not the mode's own; ``comm``: DeepSpeed's
+    communication_data_type, when not the model's dtype."""
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
             "reduce_bucket_size": bucket}  # tiny: several flushes per backward, trunk.weight (128) bypasses
     if stage == 3:
@@ -82,6 +83,8 @@ def config(stage: int, mode: str, offload: bool, dtype: str, bucket: int = 100, 
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if comm is not None:
+        cfg["communication_data_type"] = comm
     return cfg
 
 
@@ -164,8 +167,10 @@ def train_reference(model, mode: str, steps: int, rank: int = 0, world: int = 1,
         opt.zero_grad()
 
 
-def build_engine(model, stage: int, mode: str, offload: bool, dtype: str, clip: float = 0.0, gas: int = None):
-    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype, clip=clip, gas=gas),
+def build_engine(model, stage: int, mode: str, offload: bool, dtype: str, clip: float = 0.0, gas: int = None,
+                 comm: str = None):
+    engine, *_ = deepspeed.initialize(model=model, config=config(stage, mode, offload, dtype, clip=clip, gas=gas,
+                                                                 comm=comm),
                                       model_parameters=model.parameters())
     return engine
 

@@ -228,6 +228,10 @@ def _build_scenarios():
         for offload in (False, True):  # bf16: with offload must equal without it
             out.append(dict(id=f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-per_task-bf16",
                             kind="multitask", stage=stage, offload=offload, mode="per_task", dtype="bf16"))
+        # bf16 gradients communicated in fp32 (the buckets fp32: the fused fill widens them).
+        for offload in (False, True):
+            out.append(dict(id=f"multitask-stage{stage}-{'offload' if offload else 'no_offload'}-per_task-bf16-comm_fp32",
+                            kind="multitask", stage=stage, offload=offload, mode="per_task", dtype="bf16", comm="fp32"))
     # fp16 with a dynamic loss scale: only rank 0's losses overflow (fp16_scaling.SCHEDULE),
     # and both ranks must skip those steps; zero_grad() between the backwards or not.
     for stage in (1, 2, 3):
@@ -1079,7 +1083,7 @@ def _run_multitask(sc, rank):
     import zero_lifetime
 
     model, reference = mt.make_models()
-    engine = mt.build_engine(model, sc["stage"], sc["mode"], sc["offload"], sc["dtype"])
+    engine = mt.build_engine(model, sc["stage"], sc["mode"], sc["offload"], sc["dtype"], comm=sc.get("comm"))
     fill = zero_lifetime.install(engine).bucket_fill
     mt.train_engine(engine, sc["mode"], STEPS, rank=rank, dtype=sc["dtype"])
     mt.train_reference(reference, sc["mode"], STEPS, rank=rank, world=WORLD)
