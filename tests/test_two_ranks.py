@@ -101,23 +101,34 @@ def test_other_reductions_take_the_fused_bucket_fill(results, sc):
 
 @pytest.mark.parametrize("stage, comm", COMM_DTYPES, ids=[f"stage{s}-{c}" for s, c in COMM_DTYPES])
 def test_low_precision_communication(results, stage, comm):
-    """An fp32 model whose gradients DeepSpeed communicates in bf16 or fp16. One backward per
-    micro-step: installed ends on stock's weights exactly (the fill's conversion rounds as
-    torch's copy does; its division by the 2 ranks is exact in any dtype). Two backwards: within
-    the rounding of the communicated gradients of DDP's fp32 weights (each backward's gradient
-    is rounded on its own, so not stock's one backward of the summed losses either)."""
+    """An fp32 model whose gradients DeepSpeed communicates in bf16 or fp16: installed ends
+    within the rounding of the communicated gradients of DDP's fp32 weights, with one backward
+    per micro-step and with two (each backward's gradient rounded on its own, so not stock's
+    one backward of the summed losses either). With one backward it also ends on stock's
+    weights exactly (the fill's conversion rounds as torch's copy does; its division by the 2
+    ranks is exact in any dtype)."""
     stock, installed, retained = (results.records(f"comm_{comm}-stage{stage}-{kind}")
                                   for kind in ("stock", "installed", "retained"))
     eps = torch.finfo({"bf16": torch.bfloat16, "fp16": torch.float16}[comm]).eps
-    for rank in range(worker.WORLD):
-        assert_same_weights(installed[rank]["weights"], stock[rank]["weights"], rank, atol=0, rtol=0)
-        record = retained[rank]
+
+    def assert_near_ddp(record, rank):
         assert 1e-3 < record["moved"] < 10, f"rank {rank}: oracle weights moved by {record['moved']}"
         bound = 2 * eps * record["moved"]
         bad = {n: d for n, d in record["abs_diff"].items() if not d <= bound}
         assert not bad, f"rank {rank}: further than {bound:.2e} from DDP's weights: {bad}"
+
+    for rank in range(worker.WORLD):
+        assert_near_ddp(installed[rank], rank)
+        assert_near_ddp(retained[rank], rank)
+        if stage == 2 and worker.deepspeed_release() == "0.17.6":
+            # Stock 0.17.6 ZeRO-2 keeps only the last micro-step's gradients at GAS > 1 (README,
+            # DeepSpeed 0.17.6; fp32 communication too): about half its movement off DDP here.
+            assert max(stock[rank]["abs_diff"].values()) > 0.1 * stock[rank]["moved"], f"rank {rank}: stock fixed?"
+        else:
+            assert_same_weights(installed[rank]["weights"], stock[rank]["weights"], rank, atol=0, rtol=0)
         if stage != 3:
-            assert record["stats"]["bucket_fills"] > 0, f"rank {rank}: {record['stats']}"
+            for record in (installed[rank], retained[rank]):
+                assert record["stats"]["bucket_fills"] > 0, f"rank {rank}: {record['stats']}"
 
 
 @pytest.mark.parametrize("sc", CHECKPOINTED12, ids=_ids(CHECKPOINTED12))

@@ -359,6 +359,9 @@ def _build_scenarios():
         # 0.17.6 reduces a leaf module once per forward: a second pass raises
         # (test_zero3_leaf_modules checks that on 1 rank).
         out = [sc for sc in out if not sc.get("leaf")]
+        # 0.17.6 keys its buckets by the communication dtype but reports a full bucket under the
+        # param's: KeyError in DeepSpeed's own overflow path (stock too) when the two differ.
+        out = [sc for sc in out if not (sc["kind"] == "multitask" and sc.get("comm"))]
     if deepspeed_release() != "0.19.8":
         # 0.17.6 and 0.18.9 never all-reduce ZeRO-1's .grad on the CPU accelerator (their
         # split_half_float_double looks for "torch.cpu.FloatTensor", which no tensor is; 0.19.8
