@@ -154,9 +154,9 @@ def _build_scenarios():
             out.append(_scenario(sid, "steps", stage, schedule=window, gas=2, offload=offload,
                                  zero={"round_robin_gradients": True}, weights="param_data"))
     # Gradients communicated in bf16 or fp16 on an fp32 model (communication_data_type):
-    # the buckets hold the low-precision copies the fused fill converts to. Installed with one
-    # backward per step against stock, weight for weight; two backwards against DDP within
-    # the rounding of the communicated gradients.
+    # the buckets hold the low-precision copies the fused fill converts to. Installed, one
+    # backward per micro-step and two, against DDP within the rounding of the communicated
+    # gradients; with one, also against stock weight for weight.
     for stage in (1, 2, 3):
         for comm in (("bf16", "fp16") if stage == 2 else ("bf16", )):
             config = {"communication_data_type": comm}
