@@ -21,8 +21,9 @@ from .grad_window import gradient_held_back
 from .patching import wrap_method
 
 _KEEP_ALIVE_ATTR = "_zero_lifetime_grad_accumulators"  # ours, on the optimizer
-# Stages 1-3: puts one param's finished gradient into its reduction bucket.
-_BUCKET_ADD = "reduce_independent_p_g_buckets_and_remove_grads"
+# Stages 1-3: puts one param's finished gradient into its reduction bucket (zero12_buckets
+# replaces the same method for the fused fill; the name lives here only).
+BUCKET_ADD = "reduce_independent_p_g_buckets_and_remove_grads"
 
 
 def deepspeed_hooks_are_dead() -> bool:
@@ -82,7 +83,7 @@ class GradHooks:
             self._create_name = "create_gradient_handling_hooks"
             self._module = stage12_module
         require(optimizer, self._entry_name, "the entry point of DeepSpeed's gradient hooks")
-        require(optimizer, _BUCKET_ADD, "DeepSpeed's add of a gradient to its reduction bucket")
+        require(optimizer, BUCKET_ADD, "DeepSpeed's add of a gradient to its reduction bucket")
         require(optimizer, self._create_name, "DeepSpeed's gradient hook creation")
         require(self._module, "register_grad_hook", "DeepSpeed's gradient hook registration")
 
@@ -175,4 +176,4 @@ class GradHooks:
                 on_add(param)
             return original(param, *args, **kwargs)
 
-        return wrap_method(self.optimizer, _BUCKET_ADD, add)
+        return wrap_method(self.optimizer, BUCKET_ADD, add)

@@ -25,10 +25,10 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
 from .errors import require
+from .grad_hooks import BUCKET_ADD as _ADD
 from .grad_window import after_epilogue
 from .patching import Patches
 
-_ADD = "reduce_independent_p_g_buckets_and_remove_grads"
 _REDUCE = "reduce_ipg_grads"
 _BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads", "clear")
 _STREAM_SAFETY = ("_offload_gradient_safety_enabled", "_record_gradient_stream", "_record_bucket_producer")
