@@ -190,6 +190,18 @@ def muon_engine(stage: int, gas: int = 1, offload: bool = False, fp16: bool = Fa
     return engine
 
 
+def install_or_let_stock_step(engine, install: bool, **install_kwargs):
+    """``zero_lifetime.install(engine, **install_kwargs)``; or, for a stock ZeRO-1/2 engine, only
+    what install does to its flat buffers: stock 0.18.9's step() fails on 2 or more gloo ranks
+    without it (README, DeepSpeed 0.18.9)."""
+    if install:
+        return zero_lifetime.install(engine, **install_kwargs)
+    if engine.zero_optimization_stage() < 3:
+        from zero_lifetime.adapters.zero12_flat_buffers import detach_flat_buffers
+        detach_flat_buffers(engine.optimizer)
+    return None
+
+
 def make_pair(model_name: str, stage: int, seed: int = 0, persistence: int = 0, gas: int = 1,
               config: dict = None, **zero):
     """A DeepSpeed engine and an identical plain-torch model with its SGD optimizer.

@@ -91,10 +91,8 @@ def _oracle_name(name, ep, rank):
 
 def _run(sc, rank):
     import deepspeed
-    import zero_lifetime
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    from harness import backward_both
-    from zero_lifetime.adapters.zero12_flat_buffers import detach_flat_buffers
+    from harness import backward_both, install_or_let_stock_step
 
     model = _model(sc["ep"])
     config = {"train_micro_batch_size_per_gpu": TOKENS, "optimizer": {"type": "SGD", "params": {"lr": LR}},
@@ -102,10 +100,7 @@ def _run(sc, rank):
               "zero_optimization": {"stage": sc["stage"]}}
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=groups)
-    if sc["install"]:
-        zero_lifetime.install(engine)
-    else:  # DeepSpeed 0.18.9's stock step() fails on >= 2 gloo ranks without it (install does it too)
-        detach_flat_buffers(engine.optimizer)
+    install_or_let_stock_step(engine, sc["install"])
     for step in range(STEPS):
         first, second = _losses(*engine(_batch(step, rank)))
         if sc["backwards"] == "summed":

@@ -79,8 +79,7 @@ def _sequence_parallel_groups():
 
 def _run(sc, rank):
     import deepspeed
-    import zero_lifetime
-    from harness import backward_separately_or_summed, ds_config, full_weights
+    from harness import backward_separately_or_summed, ds_config, full_weights, install_or_let_stock_step
 
     mpu = _sequence_parallel_groups()
     zero = {"reduce_scatter": sc["reduce_scatter"]}
@@ -90,11 +89,7 @@ def _run(sc, rank):
     model = _model()
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(), mpu=mpu)
     assert engine.optimizer.sequence_parallel_size == SEQUENCE_PARALLEL
-    if sc["install"]:
-        zero_lifetime.install(engine, policy=sc["policy"])
-    elif sc["stage"] < 3:
-        from zero_lifetime.adapters.zero12_flat_buffers import detach_flat_buffers
-        detach_flat_buffers(engine.optimizer)  # stock 0.18.9 cannot step on 2 gloo ranks otherwise
+    install_or_let_stock_step(engine, sc["install"], policy=sc["policy"])
     for step in range(STEPS):
         x = _batch(step)
         half = SEQ // SEQUENCE_PARALLEL
