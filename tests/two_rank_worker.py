@@ -164,6 +164,18 @@ def _build_scenarios():
                                             ("retained", True, window)):
                 out.append(_scenario(f"comm_{comm}-stage{stage}-{kind}", "comm_dtype", stage, schedule=schedule, gas=2,
                                      install=install, config=config, weights="recorded"))
+    # DeepSpeed's torch_autocast section: the forward under torch.autocast (bf16), the fp32
+    # params of Linear layers communicated in bf16 and the rest in fp32, so two buckets fill
+    # side by side. Oracles: DDP and the all-reduced model with the same autocast forward.
+    # The last variant's small buckets fill mid-backward, with overlap_comm's double buffers.
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    for stage in (1, 2, 3):
+        for kind, install, schedule, path, zero in (
+                ("stock", False, [1] * 6, "engine", None), ("installed", True, [1] * 6, "engine", None),
+                ("retained", True, window, "engine", None),
+                ("retained_small_buckets", True, window, "manual", {"reduce_bucket_size": 40, "overlap_comm": True})):
+            out.append(_scenario(f"autocast-stage{stage}-{kind}", "autocast", stage, path, schedule=schedule, gas=2,
+                                 install=install, zero=zero, config=autocast, weights="recorded"))
     # Activation checkpointing: a reentrant checkpoint runs a backward inside the backward,
     # with DeepSpeed's hooks firing in it (ZeRO-1/2: the bucket order check must still run
     # once per outer backward, test_two_ranks checks the count).
@@ -355,13 +367,19 @@ def _build_scenarios():
                              zero=zero3_variants[variant]))
     out.append(_scenario("stock-stage3-compiled-no-install", "stock", 3, "engine", True, install=False,
                          zero=eager_release, compile="aot_eager"))
+    # DeepSpeed's autocast saves the LayerNorm's fp32 params as they are: stock still fails.
+    out.append(_scenario("stock-stage3-torch_autocast-no-install", "stock", 3, "engine", True, install=False,
+                         config=autocast))
     if deepspeed_release() == "0.17.6":
         # 0.17.6 reduces a leaf module once per forward: a second pass raises
         # (test_zero3_leaf_modules checks that on 1 rank).
         out = [sc for sc in out if not sc.get("leaf")]
-        # 0.17.6 keys its buckets by the communication dtype but reports a full bucket under the
-        # param's: KeyError in DeepSpeed's own overflow path (stock too) when the two differ.
+        # 0.17.6 keys its buckets by the communication dtype, but a full bucket's report and a
+        # param larger than a bucket under the param's: a KeyError, or a failed narrow of the
+        # bucket, in DeepSpeed's own paths (stock too) when the two differ (communication_data_type,
+        # or torch_autocast's bf16 communication of fp32 params).
         out = [sc for sc in out if not (sc["kind"] == "multitask" and sc.get("comm"))]
+        out = [sc for sc in out if not (sc["kind"] == "autocast" and sc["zero"].get("reduce_bucket_size"))]
     if deepspeed_release() != "0.19.8":
         # 0.17.6 and 0.18.9 never all-reduce ZeRO-1's .grad on the CPU accelerator (their
         # split_half_float_double looks for "torch.cpu.FloatTensor", which no tensor is; 0.19.8
@@ -614,10 +632,14 @@ def _run_training(sc, rank):
     for step, backwards in enumerate(sc["schedule"]):
         step_secondary, step_compiled = _engine_step(engine, sc, step, backwards, rank)
         secondary, compiled_steps = max(secondary, step_secondary), compiled_steps + step_compiled
-        _ddp_step(ddp, ddp_opt, sc, step, backwards, rank)
-        _allreduce_step(ar_model, ar_opt, sc, step, backwards, rank)
+        with _oracle_forward_context(sc):
+            _ddp_step(ddp, ddp_opt, sc, step, backwards, rank)
+            _allreduce_step(ar_model, ar_opt, sc, step, backwards, rank)
 
     record = {"compiled_graphs": backend.graphs if backend else 0, "compiled_steps": compiled_steps}
+    # The dtypes DeepSpeed communicates the params' gradients in, one bucket each (torch_autocast
+    # marks each param it lowers with comm_dtype).
+    record["comm_dtypes"] = sorted({str(getattr(p, "comm_dtype", p.dtype)) for p in engine.module.parameters()})
     gc.collect()  # the step helpers' graphs are gone; nothing may hold a handle now
     record["stats"] = zero_lifetime.stats(engine) if sc["install"] else {}
     if sc["stage"] == 3:
@@ -638,6 +660,18 @@ def _run_training(sc, rank):
     record["moved"] = moved if moved == moved else float("inf")  # NaN: fails the movement bound
     del engine, ddp
     return record
+
+
+def _oracle_forward_context(sc):
+    """The oracles run under the autocast DeepSpeed's torch_autocast section puts around the
+    engine's forward (their backwards too: autograd runs those in the forward's dtypes)."""
+    import contextlib
+
+    import torch
+    autocast = sc["config"].get("torch_autocast")
+    if not autocast:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=getattr(torch, autocast["dtype"]))
 
 
 def _mark_leaf_modules(model, sc):
@@ -676,7 +710,7 @@ def _run_stock(sc, rank):
 
     torch.manual_seed(0)
     model = MODELS[sc["model"]]()
-    cfg = ds_config(3, sc["persistence"], lr=LR[sc["model"]], **sc.get("zero", {}))
+    cfg = dict(ds_config(3, sc["persistence"], lr=LR[sc["model"]], **sc.get("zero", {})), **sc["config"])
     if sc["zero_init"]:
         model = _built_in_zero_init(sc["model"], cfg, {n: p.detach() for n, p in model.named_parameters()})
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
