@@ -162,3 +162,56 @@ def test_deepspeed_activation_checkpointing_refuses_a_second_backward(stage, ins
     engine.backward(l1, retain_graph=True)
     with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
         engine.backward(l2)
+
+
+EVALUATION_CONTEXTS = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+@pytest.mark.parametrize("context", sorted(EVALUATION_CONTEXTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluation_forward_before_the_backward(stage, context, policy, backwards):
+    """A forward in eval mode under torch.inference_mode or no_grad between a training forward
+    and its backward(s) (metrics, a reference output for a penalty): the evaluation outputs and
+    the training are torch's. Under inference mode ZeRO-3's releases swap inference tensors into
+    the params, which turns the params into inference tensors that autograd cannot see;
+    installed puts normal empty tensors back as that forward returns."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine, policy=policy)
+    for step in range(3):
+        x, x_eval = make_input("mlp_norm", step), make_input("mlp_norm", 100 + step)
+        evaluated = []
+        for model, backward in ((engine, engine.backward), (reference, torch.Tensor.backward)):
+            first, second = losses(model(x))
+            model.eval()
+            with EVALUATION_CONTEXTS[context]():
+                evaluated.append(model(x_eval).clone())
+            model.train()
+            if backwards == 1:
+                backward(first + second)
+            else:
+                backward(first, retain_graph=True)
+                backward(second)
+        torch.testing.assert_close(evaluated[0], evaluated[1], rtol=0, atol=0)
+        _finish(engine, reference, ref_opt, stage)
+    replaced = zero_lifetime.stats(engine).get("inference_placeholders_replaced")
+    if stage == 3 and context == "inference_mode" and policy == "regather":
+        assert replaced > 0, "no param was released under inference mode: the test tests nothing"
+    elif stage == 3 and context == "no_grad":
+        assert replaced == 0
+
+
+@pytest.mark.skipif(DS_VERSION == "0.17.6", reason="0.17.6's gradient hooks look at their own param only: stock "
+                    "is right there (checked), though its params are inference tensors as well")
+def test_stock_stage3_fails_a_backward_after_an_inference_mode_forward():
+    """Negative control: stock ZeRO-3 leaves the params inference tensors after that forward,
+    and its own gradient hooks, which look at every param, then fail in the backward of the
+    training forward before it."""
+    engine, _, _ = make_pair("mlp_norm", 3)
+    first, second = losses(engine(make_input("mlp_norm", 0)))
+    with torch.inference_mode():
+        engine(make_input("mlp_norm", 100))
+    assert all(p.is_inference() for p in engine.module.parameters())
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'next_functions'"):
+        engine.backward(first + second)

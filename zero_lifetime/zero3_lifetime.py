@@ -56,6 +56,7 @@ class Zero3Lifetime:
         # thread on CUDA): releases are deferred while any runs.
         self._threads_in_calls = []
         self.accumulate_regathers = 0
+        self.inference_placeholders_replaced = 0
         self._hook_handles = []
         self._modules = list(engine.module.modules())
         self._counters_after_forward = {}  # module -> DeepSpeed's counters: one entry each, latest wins
@@ -133,6 +134,8 @@ class Zero3Lifetime:
         self._counters_after_forward = dict(self.zparams.module_counters(self._modules))
         self._counters_consumed = False
         self._restore_counters_at_backward_end = False
+        if torch.is_inference_mode_enabled():  # its releases left inference tensors in the params
+            self.inference_placeholders_replaced += self.zparams.replace_inference_placeholders(self.params.values())
 
     def rearm_if_another_backward(self) -> None:
         """Another backward over the same forward (after a backward or a
@@ -257,4 +260,5 @@ class Zero3Lifetime:
         return {
             "gathered_params": len(gathered),
             "gathered_bytes": sum(p.ds_numel * p.element_size() for p in gathered),
+            "inference_placeholders_replaced": self.inference_placeholders_replaced,
         }

@@ -1,5 +1,6 @@
 """ZeRO-3 parameter gather/release: the coordinator and the parameter attributes."""
 
+import torch
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -68,6 +69,22 @@ class Zero3Params:
             return False
         getattr(self.coordinator(), _RELEASE)(param)
         return param.ds_status != self.AVAILABLE
+
+    def replace_inference_placeholders(self, params) -> int:
+        """DeepSpeed frees a param by swapping in an empty tensor (``free_param``). Made under
+        ``torch.inference_mode`` that tensor is an inference tensor, and ``param.data =`` gives
+        the param its dispatch keys: autograd no longer sees the param until it is gathered
+        again, and a backward over a graph from before that forward fails in DeepSpeed's own
+        gradient hooks (0.19.8: ``AttributeError`` in ``count_used_parameters_in_backward``,
+        which looks at every param). Each released one gets a normal empty tensor back.
+        Returns how many."""
+        replaced = 0
+        with torch.inference_mode(False):
+            for param in params:
+                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.is_inference():
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                    replaced += 1
+        return replaced
 
     @staticmethod
     def sees_user_contexts() -> bool:
