@@ -4,6 +4,9 @@ Each was first tried as a scratch test (docs/reliability.md, "User patterns the 
 reach"); they passed installed and are kept so that they stay so.
 """
 
+import contextlib
+
+import deepspeed
 import pytest
 import torch
 
@@ -167,16 +170,32 @@ def test_deepspeed_activation_checkpointing_refuses_a_second_backward(stage, ins
 EVALUATION_CONTEXTS = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 
 
+def _evaluate(model, how, x):
+    """What an evaluation inside a training step runs; ``model`` is the engine or the torch
+    model. "gathered_parameters": a ZeRO-3 context over every param (a norm for a log)."""
+    module = getattr(model, "module", model)
+    if how == "forward":
+        return model(x)
+    if how == "module":
+        return module(x)
+    if how == "submodules":  # one by one, without the root
+        return module.l2(module.ln(torch.relu(module.l1(x))))
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if model is not module else contextlib.nullcontext():
+        return torch.stack([p.norm() for p in params])
+
+
 @pytest.mark.parametrize("backwards", [1, 2])
 @pytest.mark.parametrize("policy", ["regather", "pin"])
+@pytest.mark.parametrize("how", ["forward", "module", "submodules", "gathered_parameters"])
 @pytest.mark.parametrize("context", sorted(EVALUATION_CONTEXTS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_evaluation_forward_before_the_backward(stage, context, policy, backwards):
-    """A forward in eval mode under torch.inference_mode or no_grad between a training forward
-    and its backward(s) (metrics, a reference output for a penalty): the evaluation outputs and
-    the training are torch's. Under inference mode ZeRO-3's releases swap inference tensors into
-    the params, which turns the params into inference tensors that autograd cannot see;
-    installed puts normal empty tensors back as that forward returns."""
+def test_evaluation_before_the_backward(stage, context, how, policy, backwards):
+    """An evaluation in eval mode under torch.inference_mode or no_grad between a training
+    forward and its backward(s) (metrics, a reference output for a penalty, a param norm): the
+    evaluation's results and the training are torch's. Under inference mode ZeRO-3's releases
+    swap inference tensors into the params, which turns the params into inference tensors that
+    autograd cannot see; installed puts normal empty tensors back as a backward opens."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     zero_lifetime.install(engine, policy=policy)
     for step in range(3):
@@ -186,7 +205,7 @@ def test_evaluation_forward_before_the_backward(stage, context, policy, backward
             first, second = losses(model(x))
             model.eval()
             with EVALUATION_CONTEXTS[context]():
-                evaluated.append(model(x_eval).clone())
+                evaluated.append(_evaluate(model, how, x_eval).clone())
             model.train()
             if backwards == 1:
                 backward(first + second)

@@ -554,6 +554,8 @@ class Installation:
         return False
 
     def _on_backward_start(self) -> None:
+        if self.lifetime is not None:  # first: _task_accumulates looks at the params too
+            self.lifetime.replace_inference_placeholders()
         entry, self._entry_forward = self._entry_forward, None
         managers = entry.managers() if entry is not None else []
         # DeepSpeed's hooks on the outputs of every other forward stay quiet in this
