@@ -74,8 +74,8 @@ class Zero3Params:
         """DeepSpeed frees a param by swapping in an empty tensor (``free_param``). Made under
         ``torch.inference_mode`` that tensor is an inference tensor, and ``param.data =`` gives
         the param its dispatch keys: autograd no longer sees the param until it is gathered
-        again, and a backward over a graph from before that forward fails in DeepSpeed's own
-        gradient hooks (0.19.8: ``AttributeError`` in ``count_used_parameters_in_backward``,
+        again, and a backward over a graph from before that release fails in DeepSpeed's own
+        gradient hooks (0.19.8, 0.18.9: ``AttributeError`` in ``count_used_parameters_in_backward``,
         which looks at every param). Each released one gets a normal empty tensor back.
         Returns how many."""
         replaced = 0
