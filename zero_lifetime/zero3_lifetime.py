@@ -47,7 +47,6 @@ class Zero3Lifetime:
         if tracker.policy == "pin" and self.zparams.keeps_released_leaf_data():
             raise ValueError(_PIN_WITH_FAST_SHARDING)
         self.params = {p.ds_id: p for p in engine.module.parameters()}
-        self._param_list = list(self.params.values())
         self._regathered = set()  # ds_ids we gathered on demand; we own their release
         # Unpinned params whose release waits for a safe point. A deque: other threads append
         # while the training thread drains (popleft and append are atomic, a list swap is not).
@@ -140,7 +139,7 @@ class Zero3Lifetime:
         """Before anything in a backward looks at the params (DeepSpeed's hooks look at all of
         them): a release under torch.inference_mode (a forward, a GatheredParameters context)
         left inference tensors in them, which autograd cannot see. About 0.15 us a param."""
-        self.inference_placeholders_replaced += self.zparams.replace_inference_placeholders(self._param_list)
+        self.inference_placeholders_replaced += self.zparams.replace_inference_placeholders(self.params.values())
 
     def rearm_if_another_backward(self) -> None:
         """Another backward over the same forward (after a backward or a
