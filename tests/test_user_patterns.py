@@ -234,3 +234,96 @@ def test_stock_stage3_fails_a_backward_after_an_inference_mode_forward():
     assert all(p.is_inference() for p in engine.module.parameters())
     with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'next_functions'"):
         engine.backward(first + second)
+
+
+P = torch.nn.utils.parametrizations
+REPARAMETRIZATIONS = {"weight_norm": P.weight_norm, "spectral_norm": P.spectral_norm,
+                      "legacy_weight_norm": torch.nn.utils.weight_norm}
+
+
+class ReparametrizedCritic(torch.nn.Module):
+    """A GAN critic (HiFi-GAN's weight norm, SNGAN's spectral norm): each weight is computed
+    from other params as the layer runs, inside a parametrization submodule (torch's
+    parametrize) or a forward pre-hook (the deprecated weight_norm); spectral norm also updates
+    buffers in every training forward."""
+
+    def __init__(self, kind):
+        super().__init__()
+        wrap = REPARAMETRIZATIONS[kind]
+        self.c1 = wrap(torch.nn.Conv1d(3, 8, 3, padding=1))
+        self.c2 = wrap(torch.nn.Conv1d(8, 8, 3, padding=1))
+        self.head = wrap(torch.nn.Linear(8 * 8, 1))
+
+    def forward(self, x):
+        h = torch.nn.functional.leaky_relu(self.c1(x), 0.2)
+        return self.head(torch.nn.functional.leaky_relu(self.c2(h), 0.2).flatten(1))
+
+
+class RecurrentPolicy(torch.nn.Module):
+    """A recurrent RL policy: torch's RNNs read their weights from a flat list of the params."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind](3, 8, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.transpose(1, 2))
+        return self.head(out[:, -1])
+
+
+def _module_kind_pair(kind, stage):
+    from harness import ds_config
+
+    def build():
+        torch.manual_seed(0)  # built twice: the deprecated weight_norm cannot be deep-copied
+        return RecurrentPolicy(kind) if kind in ("lstm", "gru") else ReparametrizedCritic(kind)
+
+    model, reference = build(), build()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.01),
+                                      model_parameters=model.parameters())
+    return engine, reference, torch.optim.SGD(reference.parameters(), lr=0.01)
+
+
+def _critic_inputs(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, 8, generator=g), torch.rand(4, 1, 1, generator=g)
+
+
+@pytest.mark.parametrize("kind", sorted(REPARAMETRIZATIONS) + ["lstm", "gru"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reparametrized_and_recurrent_modules(stage, kind):
+    """Per step, two retained backwards of one forward, then a WGAN-GP critic step (a gradient
+    penalty through the critic's input gradient, create_graph=True, three forwards, one
+    backward): weights and buffers torch's."""
+    engine, reference, ref_opt = _module_kind_pair(kind, stage)
+    zero_lifetime.install(engine)
+    for step in range(2):
+        real, fake, mix = _critic_inputs(step)
+        for model, backward in ((engine, engine.backward), (reference, torch.Tensor.backward)):
+            first, second = losses(model(real))
+            backward(first, retain_graph=True)
+            backward(second)
+        _finish(engine, reference, ref_opt, stage)
+        for model, backward in ((engine, engine.backward), (reference, torch.Tensor.backward)):
+            between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+            slope, = torch.autograd.grad(model(between).sum(), between, create_graph=True)
+            penalty = (slope.flatten(1).norm(dim=1) - 1).pow(2).mean()
+            backward(model(fake).mean() - model(real).mean() + 10 * penalty)
+        _finish(engine, reference, ref_opt, stage)
+    for got, want in zip(engine.module.buffers(), reference.buffers()):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "lstm"])
+def test_stock_stage3_fails_the_second_backward_of_these_modules(kind):
+    """Negative control. (Stock 0.19.8 with the deprecated weight_norm kills the process
+    instead, SIGFPE in the Conv1d backward over an empty weight: not run here.)"""
+    if kind == "weight_norm" and DS_VERSION != "0.19.8":
+        pytest.skip("stock 0.18.9 and 0.17.6 leave the parametrized params gathered after a backward, so the "
+                    "second one runs: 0.18.9 then ends off torch, 0.17.6 on it (checked)")
+    engine, _, _ = _module_kind_pair(kind, 3)
+    first, second = losses(engine(_critic_inputs(0)[0]))
+    engine.backward(first, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"The size of tensor a \(0\) must match"):
+        engine.backward(second)
