@@ -115,6 +115,18 @@ class SplitHeads(torch.nn.Module):
         return self.head_a(hidden), self.head_b(hidden)
 
 
+class Float64MLPNorm(MLPNorm):
+    """mlp_norm in fp64 (inputs and outputs fp32, as make_input and losses use them): DeepSpeed
+    accumulates its gradients in fp32, its default accumulation dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.double()
+
+    def forward(self, x):
+        return super().forward(x.double()).float()
+
+
 MODELS = {
     "mlp_norm": MLPNorm,
     "split_heads": SplitHeads,
@@ -123,6 +135,10 @@ MODELS = {
     "ckpt_reentrant": lambda: Checkpointed(True),
     "ckpt_nonreentrant": lambda: Checkpointed(False),
 }
+
+
+# Built by name by a few tests only: the sweeps over MODELS (random programs) leave them out.
+MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm}
 
 
 def make_input(model_name: str, seed: int, batch: int = 4):

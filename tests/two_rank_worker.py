@@ -31,7 +31,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS = 3
 # SGD step sizes that keep 3 steps of the unbounded linear loss (harness.losses) tame,
 # so the comparison is not amplified by a diverging run (lr 0.1 blows both models up).
-LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01}
+LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01}
 # A rank whose peer raised mid-scenario may wait forever (seen: a DeepSpeed collective on
 # the CPU, which can go through its shm comm op, ignored the gloo timeout); plain gloo
 # collectives give up after COLLECTIVE_TIMEOUT_S.
@@ -84,6 +84,15 @@ def _build_scenarios():
             for gas, schedule in ((1, [2, 1, 2]), (2, [2, 2, 1, 2, 2, 1])):
                 sid = f"carry-stage{stage}-{'offload' if offload else 'no_offload'}-gas{gas}"
                 out.append(_scenario(sid, "steps", stage, schedule=schedule, offload=offload, gas=gas))
+    # An fp64 model: DeepSpeed accumulates its gradients in fp32 (0.19.8 in one flat fp32
+    # partition that sums every backward until step(): nothing carried), and copies them into
+    # its buckets itself (the fused fill has no fp64 kernel). Against DDP in fp64.
+    for stage in (1, 2):
+        for offload in (True, False):
+            for gas, schedule in ((1, [2, 1, 2]), (2, [2, 2, 1, 2, 2, 1])):
+                sid = f"fp64-stage{stage}-{'offload' if offload else 'no_offload'}-gas{gas}"
+                out.append(_scenario(sid, "steps", stage, model="mlp_norm_fp64", schedule=schedule, offload=offload,
+                                     gas=gas))
     # Stage 3: every model x policy x path x zero_grad with all params partitioned
     # (persistence 0); with the default threshold (100000: these small models then keep
     # every param persistent, so the policy has nothing to do) every model x path x zero_grad.
@@ -608,10 +617,10 @@ def _run_training(sc, rank):
     import deepspeed
     import torch
     import zero_lifetime
-    from harness import MODELS, ds_config, full_weights, install_or_let_stock_step, released_state
+    from harness import MODELS, MORE_MODELS, ds_config, full_weights, install_or_let_stock_step, released_state
 
     torch.manual_seed(0)
-    model = MODELS[sc["model"]]()
+    model = {**MODELS, **MORE_MODELS}[sc["model"]]()
     ddp_model, ar_model = copy.deepcopy(model), copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = LR[sc["model"]]

@@ -6,7 +6,8 @@ every boundary epilogue and so keeps only the last backward. We keep the
 partitions of the earlier backwards and add them back after the epilogue: the
 reduction is linear, so the sum of reduced partitions is the reduced sum (with CPU
 offload the sum lives in the fp32 gradients instead; see the two carry adapters).
-(ZeRO-3 accumulates natively once its micro step advances; see EngineBackward.)
+(ZeRO-3 accumulates natively once its micro step advances; see EngineBackward. So do
+0.19.8's ZeRO-1/2 groups kept in a flat fp32 partition: the carries leave those alone.)
 """
 
 from .adapters.zero12_epilogue import Zero12Epilogue

@@ -24,12 +24,14 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param
 
+from ..ops_reference import SUPPORTED_DTYPES
 from .errors import require
 from .grad_hooks import BUCKET_ADD as _ADD
 from .grad_window import after_epilogue
 from .patching import Patches
 
 _REDUCE = "reduce_ipg_grads"
+FUSED_DTYPES = frozenset(SUPPORTED_DTYPES)
 _BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads", "clear")
 _STREAM_SAFETY = ("_offload_gradient_safety_enabled", "_record_gradient_stream", "_record_bucket_producer")
 
@@ -97,9 +99,12 @@ class Zero12Buckets:
 
     def takes_reservation(self, param) -> bool:
         """False for what the stock add treats specially (an empty or oversized gradient,
-        non-contiguous gradients, ZenFlow): that goes through the stock add unchanged."""
+        non-contiguous gradients, ZenFlow) and for params of a dtype the fused copy has no
+        kernel for (an fp64 model): that goes through the stock add unchanged. (A 16- or
+        32-bit param's gradient and bucket are 16- or 32-bit too, whatever grad_accum_dtype.)"""
         opt, numel = self.optimizer, param.numel()
-        return numel != 0 and opt.contiguous_gradients and not self.zenflow and numel <= opt.reduce_bucket_size
+        return (numel != 0 and opt.contiguous_gradients and not self.zenflow and numel <= opt.reduce_bucket_size
+                and param.dtype in FUSED_DTYPES)
 
     def add_without_copy(self, param, i):
         """The stock add, all but its copy: reduce a bucket that would overflow, check the

@@ -16,12 +16,16 @@ After any other backward the accumulators already sum the next one on ZeRO-2 wit
 and on 0.18.9 measured off torch with the refusal bypassed).
 ZeRO-1 reduces in the boundary micro-step only, and its counter stays at 0 there, so each
 of its boundary backwards is a lone one.
+
+Groups that 0.19.8 accumulates in a flat fp32 partition (``groups_summing_backwards``) are
+left alone: the boundary copies that partition's running sum into the fp32 gradients.
 """
 
 from deepspeed.accelerator import get_accelerator
 
 from .errors import deepspeed_version, require
 from .grad_window import INITIAL_MICRO_STEP_ID_12, ZERO12_OFFLOAD_FINALIZER, at_boundary
+from .zero12_partition_carry import groups_summing_backwards
 
 
 class _Kept:
@@ -52,6 +56,7 @@ class Zero12OffloadCarry:
         # in its accumulators; 0.17.6 and 0.18.9 do not (measured against torch).
         self.accumulators_sum_backwards = hasattr(optimizer, ZERO12_OFFLOAD_FINALIZER)
         require(optimizer, "is_gradient_accumulation_boundary", "the ZeRO accumulation boundary flag")
+        self._summed_by_deepspeed = groups_summing_backwards(optimizer)
 
     def _fp32_grads(self):
         return [partition.grad for partition in self.optimizer.single_partition_of_fp32_groups]
@@ -61,6 +66,8 @@ class Zero12OffloadCarry:
         params ``reached(param)`` says got a gradient in this window (the others' places hold
         a gradient of an earlier step, which the backward about to run must not add to)."""
         opt = self.optimizer
+        if len(self._summed_by_deepspeed) == len(opt.single_partition_of_fp32_groups):
+            return None
         # The backward before this one (micro_step_id moves on only when this one starts).
         lone = opt.micro_step_id <= 0 and at_boundary(opt)
         if not lone and self.stage == 2 and self.accumulators_sum_backwards:
@@ -81,10 +88,12 @@ class Zero12OffloadCarry:
                 "or sum the losses.")
         get_accelerator().synchronize()  # the offload copies are asynchronous on a GPU
         kept = _Kept([], dict(opt.norm_for_param_grads), opt.micro_step_id)
-        for grad in self._fp32_grads():
-            kept.grads.append(None if grad is None else grad.clone())
-            if grad is not None:
-                grad.zero_()  # a param the next backward does not reach keeps the kept sum only
+        for group, grad in enumerate(self._fp32_grads()):
+            if grad is None or group in self._summed_by_deepspeed:
+                kept.grads.append(None)
+                continue
+            kept.grads.append(grad.clone())
+            grad.zero_()  # a param the next backward does not reach keeps the kept sum only
         self._drop_unreached(kept.grads, reached)
         opt.micro_step_id = INITIAL_MICRO_STEP_ID_12
         return kept
