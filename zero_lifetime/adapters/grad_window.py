@@ -280,9 +280,10 @@ class GradWindowAdapter:
     def patch_stage1_boundary(self, processed_this_backward):
         """Stage 1 reduces only at the boundary, through the hooks of the boundary
         backward: a param whose gradients came only in earlier micro-steps (kept in
-        ``param.grad`` by torch) is never reduced, and with offload the boundary adds the
-        previous window's CPU accumulator to gradients torch already summed. Returns an
-        undo callable, or None for other stages."""
+        ``param.grad`` by torch, or moved into ``param.grad_accum`` where DeepSpeed accumulates
+        in another dtype) is never reduced, and with offload the boundary adds the previous
+        window's CPU accumulator to gradients torch already summed. Returns an undo callable,
+        or None for other stages."""
         optimizer = self.optimizer
         if self.stage != 1:
             return None
@@ -291,6 +292,7 @@ class GradWindowAdapter:
         require(optimizer, "bit16_groups", "the ZeRO-1/2 param groups")
         require(optimizer, "overlap_comm", "the ZeRO overlap_comm flag")
         require(optimizer, "reduce_ready_partitions_and_remove_grads", "the ZeRO-1/2 bucket entry")
+        window_sum = require(optimizer, "get_gradient_for_reduction", "the ZeRO-1/2 gradient accessor")
         group_of = {id(p): i for i, group in enumerate(optimizer.bit16_groups) for p in group}
 
         def reduce_gradients(original, *args, **kwargs):
@@ -298,7 +300,7 @@ class GradWindowAdapter:
             if optimizer.overlap_comm:
                 for group in optimizer.bit16_groups:
                     for param in group:
-                        if param.grad is not None and not processed_this_backward(param):
+                        if window_sum(param) is not None and not processed_this_backward(param):
                             optimizer.reduce_ready_partitions_and_remove_grads(param, group_of[id(param)])
             return original(*args, **kwargs)
 
