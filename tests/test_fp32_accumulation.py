@@ -24,7 +24,7 @@ import multitask as mt
 import zero_lifetime
 from fp16_scaling import cpu_fp16_allowed
 from harness import (DS_VERSION, HIDDEN, OUT, Float64MLPNorm, MLPNorm, SplitHeads, assert_weights_match, ds_config,
-                     full_weights, losses, make_backward_die_at, make_input)
+                     full_weights, losses, make_backward_die_at, make_input, reference_two_backwards)
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 SMALL_BUCKETS = {"reduce_bucket_size": HIDDEN * OUT, "overlap_comm": True}  # reduced mid-backward
@@ -154,11 +154,7 @@ def test_dead_backward_keeps_the_earlier_backward_in_the_fp32_partition(offload)
     hook.remove()
     engine.backward(second)
     engine.step()
-    ref_first, ref_second = losses(reference(x))
-    ref_first.backward(retain_graph=True)
-    ref_second.backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
 
     kept_dead = []
     for got, (name, want), dead_grad in zip(full_weights(engine), reference.named_parameters(), reached):
