@@ -29,6 +29,7 @@ ZERO3_VARIANTS = [sc for sc in STAGE3 if sc["zero"] and not sc["compile"]]
 COMPILED = [sc for sc in TRAINING if sc["compile"]]
 STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock"]
 STOCK12 = [sc for sc in worker.SCENARIOS if sc["kind"] == "stock12"]
+SEPARATE_ACCUMULATION = [sc for sc in worker.SCENARIOS if sc["kind"] == "zero1_separate_accumulation"]
 MULTITASK = [sc for sc in worker.SCENARIOS if sc["kind"] == "multitask"]
 FP16 = [sc for sc in worker.SCENARIOS if sc["kind"] == "fp16"]
 BUCKET_ORDER = [sc for sc in worker.SCENARIOS if sc["kind"] == "bucket_order"]
@@ -439,6 +440,18 @@ def test_stock_zero12_step_on_two_gloo_ranks(results, sc):
             assert record["raised"] is not None and "Output 0 of Split is a view" in record["raised"], record
         else:
             assert record["raised"] is None, f"rank {rank}: {record['raised']}"
+
+
+@pytest.mark.parametrize("sc", SEPARATE_ACCUMULATION, ids=_ids(SEPARATE_ACCUMULATION))
+def test_zero1_accumulating_in_another_dtype_is_refused_where_deepspeed_reduces_it_wrong(results, sc):
+    """ZeRO-1 with an fp64 model (gradients accumulated in fp32, in param.grad_accum) on 2 ranks:
+    0.17.6 and 0.18.9 reduce it wrong (stock 0.17.6 1.2 off DDP, 0.18.9 fails in step()), so
+    install() refuses it there; on 0.19.8 it installs (the fp64-stage1 scenarios train it)."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        if worker.deepspeed_release() == "0.19.8":
+            assert record["raised"] is None, f"rank {rank}: {record['raised']}"
+        else:
+            assert record["raised"] is not None and "ZeRO stage 1 with torch.float64 params" in record["raised"], record
 
 
 @pytest.mark.parametrize("sc", STOCK, ids=_ids(STOCK))

@@ -71,7 +71,7 @@ class Installation:
         from .adapters.deepcompile import require_no_deepcompile
         from .adapters.engine_backward import make_engine_backward
         from .adapters.grad_hooks import GradHooks
-        from .adapters.zero_optimizer import require_zero_optimizer
+        from .adapters.zero_optimizer import require_zero1_accumulation_it_reduces_right, require_zero_optimizer
 
         require_supported_version()
         self.engine = engine
@@ -81,6 +81,7 @@ class Installation:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
         require_zero_optimizer(engine, self.stage)
+        require_zero1_accumulation_it_reduces_right(engine, self.stage)
         require_no_deepcompile(engine)
         boundary_set_by_hand(engine)  # probed: read after every step()
         self._grad_hooks = GradHooks(engine.optimizer, self.stage)

@@ -7,7 +7,7 @@ would then blame the DeepSpeed version. This check comes first and says what to 
 
 import torch
 
-from .errors import UnsupportedDeepSpeedError
+from .errors import UnsupportedDeepSpeedError, deepspeed_version, require, unsupported_feature
 
 # (why DeepSpeed runs another optimizer, what to change)
 _BF16_WITH_FP32_ACCUMULATION = (
@@ -52,3 +52,33 @@ def require_zero_optimizer(engine, stage: int) -> None:
         f"DeepSpeed's ZeRO stage {stage} optimizer ({expected.__name__}); this engine's optimizer "
         f"is {found}. To use zero_lifetime, {change}. Pass strict=False to install() to continue "
         f"without zero_lifetime (a warning, and nothing is patched).")
+
+
+# Releases whose ZeRO-1 reduces gradients accumulated in another dtype wrong over several ranks.
+_ZERO1_SEPARATE_ACCUMULATION_WRONG = ("0.17.6", "0.18.9")
+
+
+def require_zero1_accumulation_it_reduces_right(engine, stage: int) -> None:
+    """ZeRO-1 keeps gradients in ``param.grad_accum`` when they accumulate in another dtype than
+    the params' (fp16 with ``data_types.grad_accum_dtype: "fp32"``; an fp64 model, whose
+    accumulation dtype is DeepSpeed's fp32 default). Over more than one data-parallel rank,
+    0.17.6 and 0.18.9 reduce those wrong themselves (measured on 2 gloo ranks against DDP:
+    stock 0.17.6 1.2 off after two steps, silently; 0.18.9 fails in step(), and with its flat
+    buffers mended by install() it trains as wrong as 0.17.6). 0.19.8 and one rank are right."""
+    if stage != 1 or deepspeed_version() not in _ZERO1_SEPARATE_ACCUMULATION_WRONG:
+        return
+    optimizer = engine.optimizer
+    if not require(optimizer, "use_grad_accum_attribute", "the ZeRO-1/2 separate accumulation flag"):
+        return
+    group = require(optimizer, "dp_process_group", "the data-parallel group")
+    if torch.distributed.get_world_size(group=group) <= 1:
+        return
+    params, accumulation = require(optimizer, "dtype", "the ZeRO-1/2 param dtype"), require(
+        optimizer, "gradient_accumulation_dtype", "the ZeRO-1/2 accumulation dtype")
+    raise unsupported_feature(
+        f"ZeRO stage 1 with {params} params whose gradients accumulate in {accumulation} (fp16 with "
+        f'data_types.grad_accum_dtype "fp32", or an fp64 model) over more than one data-parallel rank',
+        "DeepSpeed's own reduction of such an engine is wrong on this release (stock 0.17.6 ends 1.2 off "
+        "torch DDP after two steps on 2 ranks; 0.18.9 fails in step()). Use DeepSpeed 0.19.8 (right there), "
+        "ZeRO stage 2, or accumulate in the params' dtype; strict=False to install() continues without "
+        "zero_lifetime")
