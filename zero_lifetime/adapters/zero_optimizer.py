@@ -2,7 +2,8 @@
 
 Every other adapter names internals of DeepSpeed's ZeRO optimizers. For some configurations
 DeepSpeed runs a different optimizer under the same ZeRO stage; probing its names one by one
-would then blame the DeepSpeed version. This check comes first and says what to change.
+would then blame the DeepSpeed version. This check comes first and says what to change; so does
+the refusal of a configuration whose gradients DeepSpeed itself reduces wrong on some releases.
 """
 
 import torch
