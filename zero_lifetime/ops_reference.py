@@ -12,7 +12,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What the fused copies take (the compiled kernels and this reference alike).
+SUPPORTED_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 def _fail(message: str) -> None:

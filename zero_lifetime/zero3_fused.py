@@ -29,8 +29,6 @@ from .adapters.zero3_buckets import ADD_GRAD, REDUCE_BUCKET, Zero3Buckets, Zero3
 from .ops_reference import SUPPORTED_DTYPES
 from .reserved_fill import Reservations, fill_and_repoint
 
-_OP_DTYPES = frozenset(SUPPORTED_DTYPES)
-
 
 class Zero3FusedCopies:
 
@@ -84,7 +82,7 @@ class Zero3FusedCopies:
         if self.buckets.zenflow:  # ZenFlow copies transposed gradients: the stock method does
             return False
         buffer = self.buckets.buffer(comm_dtype)
-        return grad.dtype in _OP_DTYPES and (buffer is None or buffer.dtype in _OP_DTYPES)
+        return grad.dtype in SUPPORTED_DTYPES and (buffer is None or buffer.dtype in SUPPORTED_DTYPES)
 
     @torch.no_grad()
     def _reduce_bucket(self, comm_dtype) -> None:
@@ -139,7 +137,7 @@ class Zero3FusedCopies:
         handles = self.handles
         if handles.is_complete(handle):
             return
-        layout = handles.fused_layout(handle, _OP_DTYPES) if self._installed else None
+        layout = handles.fused_layout(handle, SUPPORTED_DTYPES) if self._installed else None
         if layout is None:
             self.counts["stock_gathers"] += 1
             return handles.stock_wait(handle, handle_dependency)

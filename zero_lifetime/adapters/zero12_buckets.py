@@ -31,7 +31,6 @@ from .grad_window import after_epilogue
 from .patching import Patches
 
 _REDUCE = "reduce_ipg_grads"
-FUSED_DTYPES = frozenset(SUPPORTED_DTYPES)
 _BUCKET_ATTRS = ("buffer", "index", "elements", "params", "grads", "clear")
 _STREAM_SAFETY = ("_offload_gradient_safety_enabled", "_record_gradient_stream", "_record_bucket_producer")
 
@@ -104,7 +103,7 @@ class Zero12Buckets:
         32-bit param's gradient and bucket are 16- or 32-bit too, whatever grad_accum_dtype.)"""
         opt, numel = self.optimizer, param.numel()
         return (numel != 0 and opt.contiguous_gradients and not self.zenflow and numel <= opt.reduce_bucket_size
-                and param.dtype in FUSED_DTYPES)
+                and param.dtype in SUPPORTED_DTYPES)
 
     def add_without_copy(self, param, i):
         """The stock add, all but its copy: reduce a bucket that would overflow, check the
