@@ -115,16 +115,25 @@ class SplitHeads(torch.nn.Module):
         return self.head_a(hidden), self.head_b(hidden)
 
 
-class Float64MLPNorm(MLPNorm):
-    """mlp_norm in fp64 (inputs and outputs fp32, as make_input and losses use them): DeepSpeed
-    accumulates its gradients in fp32, its default accumulation dtype."""
+def in_float64(model_class):
+    """``model_class`` in fp64, its input and outputs fp32 (as make_input and losses use them):
+    DeepSpeed accumulates such a model's gradients in fp32, its default accumulation dtype."""
 
-    def __init__(self):
-        super().__init__()
-        self.double()
+    class Float64(model_class):
 
-    def forward(self, x):
-        return super().forward(x.double()).float()
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.double()
+
+        def forward(self, x, *args):
+            out = super().forward(x.double(), *args)
+            return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+
+    Float64.__name__ = Float64.__qualname__ = f"Float64{model_class.__name__}"
+    return Float64
+
+
+Float64MLPNorm = in_float64(MLPNorm)
 
 
 MODELS = {

@@ -24,7 +24,8 @@ import multitask as mt
 import zero_lifetime
 from fp16_scaling import cpu_fp16_allowed
 from harness import (DS_VERSION, HIDDEN, OUT, Float64MLPNorm, MLPNorm, SplitHeads, assert_weights_match, ds_config,
-                     full_weights, losses, make_backward_die_at, make_input, reference_two_backwards)
+                     full_weights, in_float64, losses, make_backward_die_at, make_input,
+                     reference_two_backwards)
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 SMALL_BUCKETS = {"reduce_bucket_size": HIDDEN * OUT, "overlap_comm": True}  # reduced mid-backward
@@ -175,15 +176,7 @@ def test_dead_backward_keeps_the_earlier_backward_in_the_fp32_partition(offload)
         torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-class Float64SplitHeads(SplitHeads):
-    """split_heads in fp64 (inputs and outputs fp32)."""
-
-    def __init__(self):
-        super().__init__()
-        self.double()
-
-    def forward(self, x):
-        return tuple(out.float() for out in super().forward(x.double()))
+Float64SplitHeads = in_float64(SplitHeads)
 
 
 def _train_head_b_in_first_micro_steps(engine, reference, ref_opt, engine_dtype=torch.float32):
@@ -249,17 +242,7 @@ def test_stock_zero1_overlap_drops_a_head_the_closing_micro_step_does_not_reach(
     assert (head_b.double() - reference.head_b.weight.detach()).abs().max() > 0.1
 
 
-class Float64MultiTask(mt.MultiTask):
-    """The multi-task model in fp64 (inputs and outputs fp32)."""
-
-    def __init__(self):
-        super().__init__()
-        self.double()
-
-    def forward(self, x, task):
-        out = super().forward(x.double(), task)
-        return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
-
+Float64MultiTask = in_float64(mt.MultiTask)
 
 MULTITASK_CASES = [(mode, 0.0) for mode in ("per_task", "zero_grad_between", "head_per_backward",
                                             "zero_grad_mid_window", "sampled")]
