@@ -3,10 +3,12 @@ on 2 gloo ranks, against torch DDP's average (not run in CI): the figures behind
 refusal on DeepSpeed 0.17.6 and 0.18.9 (docs/reliability.md, "Found by CI: ZeRO-1 with such
 gradients over 2 ranks"). mlp_norm in fp16 with data_types.grad_accum_dtype "fp32" (and, for
 comparison, fp16 accumulation), 2 steps; prints stock's and installed's largest weight
-difference, or what they raised. Run with each release's interpreter:
+difference, or what they raised. Run with each release's interpreter, and with a JIT cache of
+its own for the older ones (DeepSpeed's shm comm op differs between releases):
 
     DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.zero1_grad_accum_two_ranks
-    DS_ACCELERATOR=cpu .venv-ds0176/bin/python -m benchmarks.experiments.zero1_grad_accum_two_ranks
+    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$HOME/.cache/torch_extensions/deepspeed-0176 \
+        .venv-ds0176/bin/python -m benchmarks.experiments.zero1_grad_accum_two_ranks
 """
 import copy
 import os
