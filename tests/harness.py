@@ -146,13 +146,35 @@ MODELS = {
 }
 
 
+class CheckpointedLlama(torch.nn.Module):
+    """A tiny transformers Llama under HF activation checkpointing (reentrant, the Trainer's
+    ``gradient_checkpointing`` before transformers 4.35 and still common): token ids in, logits
+    out, so ``losses`` applies."""
+
+    def __init__(self):
+        import transformers
+        super().__init__()
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                          max_position_embeddings=16)
+        self.lm = transformers.LlamaForCausalLM(config)
+        kwargs = {"use_reentrant": True}
+        if hasattr(self.lm, "activation_checkpointing_enable"):  # transformers >= 5.24
+            self.lm.activation_checkpointing_enable(kwargs)
+        else:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def forward(self, tokens):
+        return self.lm(input_ids=tokens).logits
+
+
 # Built by name by a few tests only: the sweeps over MODELS (random programs) leave them out.
-MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm}
+MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama}
 
 
 def make_input(model_name: str, seed: int, batch: int = 4):
     g = torch.Generator().manual_seed(seed)
-    if model_name == "tied_lm":
+    if model_name in ("tied_lm", "llama_ckpt"):
         return torch.randint(0, VOCAB, (batch, 5), generator=g)
     return torch.randn(batch, IN, generator=g)
 

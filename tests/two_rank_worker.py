@@ -31,7 +31,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS = 3
 # SGD step sizes that keep 3 steps of the unbounded linear loss (harness.losses) tame,
 # so the comparison is not amplified by a diverging run (lr 0.1 blows both models up).
-LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01}
+LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01, "llama_ckpt": 0.01}
 # A rank whose peer raised mid-scenario may wait forever (seen: a DeepSpeed collective on
 # the CPU, which can go through its shm comm op, ignored the gloo timeout); plain gloo
 # collectives give up after COLLECTIVE_TIMEOUT_S.
@@ -196,6 +196,14 @@ def _build_scenarios():
             for path in ("engine", "manual"):
                 out.append(_scenario(f"two-stage{stage}-{model}-{path}-no_zero_grad", "steps", stage, path, False,
                                      model=model))
+    # A transformers Llama under HF reentrant activation checkpointing (ZeRO-3: built inside
+    # zero.Init, as the HF Trainer builds it), GAS 1 and 2.
+    for stage, policy, zero_init in ((1, "regather", False), (2, "regather", False), (3, "regather", True),
+                                     (3, "pin", True)):
+        for gas, schedule in ((1, None), (2, [2, 2, 1, 2, 2, 1])):
+            init = "-zero_init" if zero_init else ""
+            out.append(_scenario(f"two-stage{stage}-llama_ckpt{init}-{policy}-gas{gas}", "steps", stage, policy=policy,
+                                 model="llama_ckpt", zero_init=zero_init, gas=gas, schedule=schedule))
     # The other spellings of the clear between the two backwards, the ZeRO optimizer's
     # zero_grad() and torch's model.zero_grad(): each drops what every rank reduced.
     for stage in (1, 2, 3):
@@ -699,10 +707,10 @@ def _built_in_zero_init(model_name, cfg, weights):
     ``weights`` (those the oracles start from) through DeepSpeed's gather-and-modify."""
     import deepspeed
     import torch
-    from harness import MODELS
+    from harness import MODELS, MORE_MODELS
 
     with deepspeed.zero.Init(config_dict_or_path=cfg):
-        model = MODELS[model_name]()
+        model = {**MODELS, **MORE_MODELS}[model_name]()
     params = dict(model.named_parameters())
     assert all(p.ds_tensor.numel() < p.ds_numel for p in params.values()), "zero.Init did not partition"
     # One param at a time: DeepSpeed 0.17.6 gathers several with one async all-gather each and
