@@ -178,22 +178,23 @@ def test_model_init_trainer_frees_each_destroyed_engine(tmp_path):
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def _assert_installed_gas_run_matches_one_large_batch(tmp_path, stage, trainer_class, gas):
+def _assert_installed_gas_run_matches_one_large_batch(tmp_path, stage, trainer_class, gas, **overrides):
     """``trainer_class`` installed, GAS ``gas`` over 4 // gas sequences per micro step, against
     the stock summed-loss Trainer at GAS 1 over all 4 (the same sequences, of equal length: the
-    same mean loss)."""
-    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage)
+    same mean loss). ``overrides``: other TrainingArguments of both."""
+    oracle = _trainer(_model(), tmp_path / "oracle", stage=stage, **overrides)
     oracle.__class__ = SummedLossTrainer
     oracle.train()
     want = _weights(oracle)
     trainer = _trainer(_model(), tmp_path / "gas", stage=stage, gradient_accumulation_steps=gas,
-                       per_device_train_batch_size=4 // gas)
+                       per_device_train_batch_size=4 // gas, **overrides)
     trainer.__class__ = trainer_class
     add_to_trainer(trainer)
     trainer.train()
     got = _weights(trainer)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    return trainer
 
 
 class TorchStyleSummedLossTrainer(Trainer):
@@ -289,3 +290,16 @@ def test_callback_without_deepspeed_says_so(tmp_path):
     trainer.add_callback(ZeroLifetimeCallback(trainer))
     with pytest.raises(RuntimeError, match="does not train with DeepSpeed"):
         trainer.train()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_losses_under_activation_checkpointing_match_one_large_batch(tmp_path, stage, reentrant):
+    """TrainingArguments' activation (gradient) checkpointing, which the Trainer turns on in the
+    model: each layer recomputed inside each backward, GAS 2 (as above; the oracle at GAS 1,
+    since stock ZeRO-2 on 0.18.9 divides the summed loss by GAS twice at GAS 2)."""
+    name = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else \
+        "gradient_checkpointing"  # before transformers 5.24
+    trainer = _assert_installed_gas_run_matches_one_large_batch(
+        tmp_path, stage, TwoLossTrainer, 2, **{name: True, f"{name}_kwargs": {"use_reentrant": reentrant}})
+    assert trainer.model_wrapped.module.is_gradient_checkpointing
