@@ -473,24 +473,31 @@ def test_pin_budget_falls_back_to_regather():
     assert zero_lifetime.stats(engine)["peak_pinned_bytes"] <= budget
 
 
-def _penalty_loss(model, x):
-    """A loss plus a gradient penalty: autograd.grad(create_graph=True), then a backward through it."""
+def _penalty_loss(model, x, jacobian=False):
+    """A loss plus a gradient penalty: autograd.grad(create_graph=True), then a backward through
+    it. ``jacobian``: the penalty on the whole input Jacobian, one vmapped backward per output
+    (``is_grads_batched``, Jacobian regularization)."""
     x = x.clone().requires_grad_(True)
     out = model(x)
-    (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    if jacobian:
+        basis = torch.eye(out.shape[-1]).unsqueeze(1).expand(-1, *out.shape).contiguous()
+        (grad_x, ) = torch.autograd.grad(out, x, grad_outputs=basis, is_grads_batched=True, create_graph=True)
+    else:
+        (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
     return out.mean() + grad_x.pow(2).sum()
 
 
+@pytest.mark.parametrize("jacobian", [False, True], ids=["gradient", "jacobian"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_gradient_penalty(stage):
+def test_gradient_penalty(stage, jacobian):
     """autograd.grad(create_graph=True), then backward through the result (fails on stock)."""
     engine, reference, ref_opt = make_pair("mlp_norm", stage)
     zero_lifetime.install(engine)
     for step in range(2):
         x = make_input("mlp_norm", step)
-        _backward(engine, _penalty_loss(engine, x))
+        _backward(engine, _penalty_loss(engine, x, jacobian))
         engine.step()
-        _penalty_loss(reference, x).backward()
+        _penalty_loss(reference, x, jacobian).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     assert_weights_match(engine, reference)
