@@ -10,6 +10,7 @@ one SGD step per window.
 """
 
 import collections
+import contextlib
 import copy
 import gc
 import warnings
@@ -414,3 +415,72 @@ def test_walk_agrees_with_autograd_on_random_graphs():
         assert _where_the_gradient_goes(value.grad_fn, value.output_nr) == want
         seen.add(want)
     assert seen == {(True, False), (True, True), (False, True)}  # every verdict was met
+
+
+
+def _frozen_reward_steps(policy_model, reward_model, backward, optimizer_step):
+    """Three steps of a policy trained through a frozen reward model (a differentiable reward,
+    ReFL/DRaFT-style): two retained backwards of one forward per step."""
+    for step in range(3):
+        reward = reward_model(policy_model(_batch(step)))
+        backward(-reward.mean(), retain_graph=True)
+        backward(0.1 * (reward - 1).pow(2).mean())
+        optimizer_step()
+
+
+class PolicyWithFrozenReward(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.policy, self.reward = _encoder_and_head()  # the head has a LayerNorm, which saves its weight
+        self.reward.requires_grad_(False)
+
+    def forward(self, x):
+        return self.reward(self.policy(x))
+
+
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_frozen_reward_model_inside_the_trained_engine(stage, policy):
+    """The frozen reward model as a submodule of the trained engine's model (what install()'s
+    refusal of an optimizer-less engine advises): torch's weights, the reward's unchanged."""
+    model = PolicyWithFrozenReward()
+    reference = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=LR),
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    zero_lifetime.install(engine, policy=policy)
+    optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
+
+    def torch_step():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    _frozen_reward_steps(engine, lambda out: out, engine.backward, engine.step)
+    _frozen_reward_steps(reference, lambda out: out, torch.Tensor.backward, torch_step)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
+        for (name, want), got in zip(reference.named_parameters(), params):
+            torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
+    initial = PolicyWithFrozenReward()  # the same seed
+    assert max((p - p0).abs().max().item() for p, p0 in zip(reference.policy.parameters(),
+                                                            initial.policy.parameters())) > 1e-3
+    if stage == 3:
+        assert released_state(engine) == ([], [])
+
+
+def test_frozen_reward_model_in_an_engine_without_optimizer():
+    """In a ZeRO-3 engine of its own built without an optimizer, DeepSpeed releases the frozen
+    model's params after the first backward through it, and the second fails on its LayerNorm
+    (stock; the policy engine installed or not). install() refuses that engine and names the
+    way above."""
+    encoder, head = _encoder_and_head()
+    head.requires_grad_(False)
+    policy_engine = _engine(encoder, 3, 1, install=True)
+    reward_engine, *_ = deepspeed.initialize(model=head, config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    with pytest.raises(UnsupportedDeepSpeedError, match="make it a submodule of the model of the engine you train"):
+        zero_lifetime.install(reward_engine)
+    # Through its module: on 0.18.9 and 0.19.8 a backward through the engine's own outputs
+    # raises in DeepSpeed whatever happens after (an engine without a ZeRO optimizer).
+    with pytest.raises(RuntimeError, match="normalized_shape"):
+        _frozen_reward_steps(policy_engine, reward_engine.module, policy_engine.backward, policy_engine.step)

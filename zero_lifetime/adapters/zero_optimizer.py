@@ -19,7 +19,11 @@ _BF16_WITH_FP32_ACCUMULATION = (
     "ZeRO stage 2, which accumulates in fp32 with it")
 _ZERO3_WITHOUT_OPTIMIZER = (
     "a ZeRO-3 engine built without an optimizer only partitions its params and reduces no gradients",
-    'give deepspeed.initialize an optimizer (an "optimizer" section in the config, or optimizer=)')
+    'give deepspeed.initialize an optimizer (an "optimizer" section in the config, or optimizer=). '
+    "For a frozen model that gradients flow through in more than one backward of a forward (a "
+    "reward or reference model), make it a submodule of the model of the engine you train and "
+    "install, with requires_grad False: the params it saves are then kept or gathered again for "
+    "every backward (in an engine of its own, DeepSpeed releases them after the first)")
 
 
 def _zero_optimizer_class(stage: int):
