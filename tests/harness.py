@@ -146,6 +146,33 @@ MODELS = {
 }
 
 
+class AdaptersInsideCheckpoints(torch.nn.Module):
+    """Every trainable param inside a reentrant checkpoint, the rest frozen: LoRA adapters
+    under HF gradient checkpointing. As transformers does for a frozen embedding, the first
+    block's input is made to need a gradient, or the checkpoint would give no param one. Each
+    checkpoint's backward recomputes its block and backwards it as a nested graph task: the
+    outer backward's own graph reaches no trainable param. ``deepspeed_checkpoint``: DeepSpeed's
+    checkpoint (deepspeed.checkpointing) instead of torch's."""
+
+    def __init__(self, deepspeed_checkpoint=False):
+        super().__init__()
+        self.deepspeed_checkpoint = deepspeed_checkpoint
+        self.embed = torch.nn.Linear(8, 16).requires_grad_(False)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                                              torch.nn.Tanh()) for _ in range(2))
+        for block in self.blocks:
+            block[0].weight.requires_grad_(False)  # its bias and the LayerNorm train
+        self.head = torch.nn.Linear(16, 4).requires_grad_(False)
+
+    def forward(self, x):
+        from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint as deepspeed_checkpoint
+        h = self.embed(x).requires_grad_(True)
+        for block in self.blocks:
+            h = (deepspeed_checkpoint(block, h) if self.deepspeed_checkpoint else
+                 torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True))
+        return self.head(h)
+
+
 class CheckpointedLlama(torch.nn.Module):
     """A tiny transformers Llama under HF activation checkpointing (reentrant, the Trainer's
     ``gradient_checkpointing`` before transformers 4.35 and still common): token ids in, logits
@@ -169,7 +196,7 @@ class CheckpointedLlama(torch.nn.Module):
 
 
 # Built by name by a few tests only: the sweeps over MODELS (random programs) leave them out.
-MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama}
+MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints}
 
 
 def make_input(model_name: str, seed: int, batch: int = 4):
@@ -304,7 +331,16 @@ def assert_install_refused(engine, error_match=None, warning_match="Continuing w
 
 
 def full_weights(engine):
-    return [safe_get_full_fp32_param(p).detach().clone() for p in engine.module.parameters()]
+    """Each param's fp32 master, or (a frozen param: the optimizer has none) its own data,
+    gathered on ZeRO-3 (collective: every rank calls this alike)."""
+    weights = []
+    for p in engine.module.parameters():
+        master = safe_get_full_fp32_param(p)
+        if master is None:
+            with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else contextlib.nullcontext():
+                master = p.detach().float()
+        weights.append(master.detach().clone())
+    return weights
 
 
 def assert_weights_match(engine, reference, atol=1e-5, rtol=1e-4, equal_nan=False):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import zero_lifetime
-from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, MLPNorm, assert_weights_match, losses, make_input, make_pair,
-                     released_state)
+from harness import (DS_VERSION, TORCH_STYLE_BACKWARD, AdaptersInsideCheckpoints, MLPNorm, assert_weights_match, losses,
+                     make_input, make_pair, released_state)
 
 SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
 needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
@@ -482,3 +482,71 @@ def test_actor_critic_with_target_networks(stage, policy, gas):
             torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
     if stage == 3:
         assert released_state(engine) == ([], [])
+
+
+def _adapters_pair(stage, gas, deepspeed_checkpoint=False):
+    import copy
+
+    from harness import ds_config
+    torch.manual_seed(0)
+    model = AdaptersInsideCheckpoints(deepspeed_checkpoint)
+    reference = copy.deepcopy(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.05, gas=gas), model_parameters=trained)
+    return engine, reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.05)
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("gas, path", [(1, "engine"), (2, "engine"), (2, "loss_backward")])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_trainable_param_inside_reentrant_checkpoints(stage, gas, path, backwards):
+    """One backward of both losses or two retained ones per micro step, at GAS 1 and 2 (the
+    loss.backward() path: DeepSpeed's output hooks divide the outputs' gradient by GAS, in a
+    pass that accumulates). Install used to take such a backward for a torch.autograd.grad
+    (nothing reaches .grad in its own graph) and left DeepSpeed's prologue out: ZeRO-3 ended
+    6e-2 off torch with one backward, ZeRO-1/2 6e-3 with two, silently."""
+    if path == "loss_backward" and not TORCH_STYLE_BACKWARD:
+        pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
+    engine, reference, ref_opt = _adapters_pair(stage, gas)
+    zero_lifetime.install(engine)
+    for step in range(3):
+        for micro in range(gas):
+            x = make_input("mlp_norm", 10 * step + micro)
+            first, second = losses(engine(x))
+            backward = engine.backward if path == "engine" else torch.Tensor.backward
+            if backwards == 1:
+                backward(first + second)
+            else:
+                backward(first, retain_graph=True)
+                backward(second)
+            engine.step()
+            first, second = losses(reference(x))
+            ((first + second) / gas).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
+        for (name, want), got in zip(reference.named_parameters(), params):
+            torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
+    if stage == 3:
+        assert released_state(engine) == ([], [])
+
+
+@needs_streams
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_trainable_param_inside_deepspeed_checkpoints(stage):
+    """The same under DeepSpeed's own checkpoint (one backward per forward: a second fails
+    inside DeepSpeed's checkpoint, test_deepspeed_activation_checkpointing_refuses_a_second_backward)."""
+    engine, reference, ref_opt = _adapters_pair(stage, 1, deepspeed_checkpoint=True)
+    zero_lifetime.install(engine)
+    for step in range(3):
+        x = make_input("mlp_norm", step)
+        engine.backward(sum(losses(engine(x))))
+        engine.step()
+        sum(losses(reference(x))).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
+        for (name, want), got in zip(reference.named_parameters(), params):
+            torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")

@@ -543,7 +543,10 @@ class Installation:
         return self._accumulating or not self.scope.open
 
     def _task_accumulates(self) -> bool:
-        """Does the running graph task write any param's .grad (backward, not autograd.grad)?"""
+        """Does the running graph task write any param's .grad (backward, not autograd.grad)?
+        Also when the params it reaches are all inside reentrant checkpoints (LoRA adapters
+        under HF gradient checkpointing): they accumulate in the nested tasks those run."""
+        unreached = False
         for param in self._trainable:
             if not param.requires_grad:  # frozen for now (a GAN's D in the G step): no node
                 continue
@@ -552,7 +555,8 @@ class Installation:
                 return False
             if accumulates:
                 return True
-        return False
+            unreached = True
+        return unreached and _reentrant_checkpoint_below()
 
     def _on_backward_start(self) -> None:
         if self.lifetime is not None:  # first: _task_accumulates looks at the params too
@@ -709,6 +713,30 @@ def _will_accumulate(param) -> Optional[bool]:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return None
+
+
+# torch's reentrant checkpoint (torch.utils.checkpoint, use_reentrant=True) and DeepSpeed's
+# (deepspeed.checkpointing) are both an autograd.Function named CheckpointFunction.
+_REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+
+
+def _reentrant_checkpoint_below() -> bool:
+    """Is there a reentrant checkpoint's backward in the graph below the running autograd node
+    (the hook's that opens the backward)? It recomputes its part of the forward and backwards
+    that as a nested graph task: the params in that part are not in this task's graph. Under
+    torch.autograd.grad such a checkpoint raises (torch's rule), so a graph with one is a
+    backward. Walked only when no param of the engine is in the task's own graph."""
+    node = torch._C._current_autograd_node()
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == _REENTRANT_CHECKPOINT_NODE:
+            return True
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 class _ForwardOutputs:
