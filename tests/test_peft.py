@@ -10,6 +10,7 @@ configs, no download.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import deepspeed  # noqa: E402
 import zero_lifetime  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-from harness import TORCH_STYLE_BACKWARD, backward_both  # noqa: E402
+from harness import DS_VERSION, TORCH_STYLE_BACKWARD, backward_both  # noqa: E402
 
 LR, VOCAB = 0.1, 64
 PATHS = ["engine", "manual"] if TORCH_STYLE_BACKWARD else ["engine"]
@@ -103,6 +104,33 @@ def _assert_adapters_match(engine, reference):
 def test_lora_adapters_train_like_torch_with_two_backwards(stage, gas, path, reference_through):
     engine, reference, oracle_optimizer = _engine_and_oracle(stage, gas)
     _train(engine, reference, oracle_optimizer, gas, path, reference_through)
+    _assert_adapters_match(engine, reference)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_lora_adapters_under_activation_checkpointing(stage, gas, path, reentrant, monkeypatch):
+    """HF gradient checkpointing over the LoRA model: every trainable param is then inside a
+    checkpoint. Reentrant, the outer backward's own graph reaches none of them (each
+    checkpoint backwards its recomputed layer as a nested graph task), which install once took
+    for a torch.autograd.grad: the adapters moved a tenth of torch's, silently, on every stage
+    (ZeRO-3 with one backward too)."""
+    if stage == 3 and not reentrant and DS_VERSION in ("0.17.6", "0.18.9"):
+        pytest.skip("this DeepSpeed's ZeRO-3 does not gather the frozen base weights in a non-reentrant "
+                    "recompute: a plain backward fails, stock too (CheckpointError, checked)")
+    lora_llama = _lora_llama
+
+    def checkpointed_lora_llama():
+        model = lora_llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model.train()
+
+    monkeypatch.setattr(sys.modules[__name__], "_lora_llama", checkpointed_lora_llama)
+    engine, reference, oracle_optimizer = _engine_and_oracle(stage, gas)
+    assert engine.module.is_gradient_checkpointing
+    _train(engine, reference, oracle_optimizer, gas, path, None)
     _assert_adapters_match(engine, reference)
 
 
