@@ -31,7 +31,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS = 3
 # SGD step sizes that keep 3 steps of the unbounded linear loss (harness.losses) tame,
 # so the comparison is not amplified by a diverging run (lr 0.1 blows both models up).
-LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01, "llama_ckpt": 0.01}
+LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01, "llama_ckpt": 0.01, "ckpt_adapters": 0.05}
 # A rank whose peer raised mid-scenario may wait forever (seen: a DeepSpeed collective on
 # the CPU, which can go through its shm comm op, ignored the gloo timeout); plain gloo
 # collectives give up after COLLECTIVE_TIMEOUT_S.
@@ -204,6 +204,13 @@ def _build_scenarios():
             init = "-zero_init" if zero_init else ""
             out.append(_scenario(f"two-stage{stage}-llama_ckpt{init}-{policy}-gas{gas}", "steps", stage, policy=policy,
                                  model="llama_ckpt", zero_init=zero_init, gas=gas, schedule=schedule))
+    # Every trainable param inside a reentrant checkpoint (LoRA adapters under HF gradient
+    # checkpointing): the outer backward's own graph reaches none of them.
+    for stage in (1, 2, 3):
+        for gas, schedule in ((1, None), (2, [2, 2, 1, 2, 2, 1])):
+            for path in ("engine", "manual"):
+                out.append(_scenario(f"two-stage{stage}-ckpt_adapters-{path}-gas{gas}", "steps", stage, path,
+                                     model="ckpt_adapters", gas=gas, schedule=schedule))
     # The other spellings of the clear between the two backwards, the ZeRO optimizer's
     # zero_grad() and torch's model.zero_grad(): each drops what every rank reduced.
     for stage in (1, 2, 3):
