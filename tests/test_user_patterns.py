@@ -476,10 +476,7 @@ def test_actor_critic_with_target_networks(stage, policy, gas):
         ref_opt.zero_grad()
         engine.module.update_targets()
         reference.update_targets()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
-        for (name, want), got in zip(reference.named_parameters(), params):
-            torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
+    assert_weights_match(engine, reference)  # the frozen params too (harness.full_weights)
     if stage == 3:
         assert released_state(engine) == ([], [])
 
@@ -530,10 +527,7 @@ def test_every_trainable_param_inside_reentrant_checkpoints(stage, gas, path, fo
             ((first + second) / gas).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
-        for (name, want), got in zip(reference.named_parameters(), params):
-            torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
+    assert_weights_match(engine, reference)  # the frozen params too (harness.full_weights)
     if stage == 3:
         assert released_state(engine) == ([], [])
 
@@ -552,7 +546,4 @@ def test_every_trainable_param_inside_deepspeed_checkpoints(stage):
         sum(losses(reference(x))).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
-        for (name, want), got in zip(reference.named_parameters(), params):
-            torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
+    assert_weights_match(engine, reference)  # the frozen params too (harness.full_weights)
