@@ -547,3 +547,30 @@ def test_every_trainable_param_inside_deepspeed_checkpoints(stage):
         ref_opt.step()
         ref_opt.zero_grad()
     assert_weights_match(engine, reference)  # the frozen params too (harness.full_weights)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_autograd_grad_through_a_reentrant_checkpoint_raises_as_in_torch(stage, gas):
+    """torch refuses torch.autograd.grad through a reentrant checkpoint; between the two
+    retained backwards of each micro step it raises torch's error (not one of DeepSpeed's or
+    ours: such a graph is a backward only when torch allows the checkpoint, see
+    install._reentrant_checkpoint_below) and training goes on as torch's."""
+    engine, reference, ref_opt = make_pair("ckpt_reentrant", stage, gas=gas)
+    zero_lifetime.install(engine)
+    for step in range(2 * gas):
+        x = make_input("ckpt_reentrant", step)
+        for model, backward, scale in ((engine, engine.backward, 1), (reference, torch.Tensor.backward, 1 / gas)):
+            x_needing_grad = x.clone().requires_grad_(True)
+            first, second = losses(model(x_needing_grad))
+            backward(first * scale, retain_graph=True)
+            with pytest.raises(RuntimeError, match="checkpoint is incompatible with .grad()"):
+                torch.autograd.grad(second, [x_needing_grad], retain_graph=True)
+            backward(second * scale)
+        engine.step()
+        if (step + 1) % gas == 0:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert_weights_match(engine, reference)
+    if stage == 3:
+        assert released_state(engine) == ([], [])

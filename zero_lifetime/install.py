@@ -723,9 +723,12 @@ _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 def _reentrant_checkpoint_below() -> bool:
     """Is there a reentrant checkpoint's backward in the graph below the running autograd node
     (the hook's that opens the backward)? It recomputes its part of the forward and backwards
-    that as a nested graph task: the params in that part are not in this task's graph. Under
-    torch.autograd.grad such a checkpoint raises (torch's rule), so a graph with one is a
-    backward. Walked only when no param of the engine is in the task's own graph."""
+    that as a nested graph task: the params in that part are not in this task's graph. Only in
+    a plain backward (torch's own test, which the checkpoint itself makes: autograd.grad, or a
+    backward with ``inputs``, makes it raise); walked only when no param of the engine is in
+    the task's own graph, about 1 us a node."""
+    if not torch.autograd._is_checkpoint_valid():
+        return False
     node = torch._C._current_autograd_node()
     stack, seen = [node], set()
     while stack:
