@@ -168,11 +168,19 @@ def _assert_installed_is_stock(stage, stock, installed, rank):
 @pytest.mark.parametrize("sc", CHECKPOINTED12, ids=_ids(CHECKPOINTED12))
 def test_bucket_order_check_once_per_backward_under_checkpointing(results, sc):
     """A reentrant checkpoint runs a backward inside the backward, with DeepSpeed's hooks
-    firing in it: the bucket order check still runs once per backward, after its epilogue,
-    in step on both ranks (a raise would fail the scenario; the weights against DDP are
+    firing in it (every trainable param inside one, for ckpt_adapters): the bucket order check
+    still runs once per backward that reduces, after its epilogue, in step on both ranks (a raise would fail the scenario; the weights against DDP are
     test_retained_backwards_match_ddp's)."""
     for rank, record in enumerate(results.records(sc["id"])):
-        assert record["stats"]["bucket_order_checks"] == sum(sc["schedule"]), f"rank {rank}: {record['stats']}"
+        assert record["stats"]["bucket_order_checks"] == _backwards_that_reduce(sc), f"rank {rank}: {record['stats']}"
+
+
+def _backwards_that_reduce(sc):
+    """Every backward of the schedule; on ZeRO-1 with GAS > 1 only those of each window's closing
+    micro-step (it runs its epilogue at the boundary only)."""
+    if sc["stage"] == 1 and sc["gas"] > 1:
+        return sum(n for step, n in enumerate(sc["schedule"]) if (step + 1) % sc["gas"] == 0)
+    return sum(sc["schedule"])
 
 
 @pytest.mark.parametrize("sc", TRACE_CHANGES, ids=_ids(TRACE_CHANGES))
