@@ -343,6 +343,9 @@ def full_weights(engine):
     return weights
 
 
+TORCH_FP32_RTOL = 1.3e-6  # torch.testing.assert_close's default for fp32 (its atol, 1e-5, is the one below)
+
+
 def assert_weights_match(engine, reference, atol=1e-5, rtol=1e-4, equal_nan=False):
     for (name, _), got, (_, want) in zip(engine.module.named_parameters(), full_weights(engine),
                                          reference.named_parameters()):
