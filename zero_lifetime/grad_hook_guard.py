@@ -33,6 +33,7 @@ import torch
 from .adapters.grad_hooks import GradHooks, deepspeed_hooks_are_dead
 from .adapters.grad_window import after_epilogue
 from .adapters.patching import Patches
+from .adapters.zero3_params import full_numel
 
 # torch >= 2.1: a hook on the param itself, nothing to keep alive. Module level so a test
 # can force the AccumulateGrad-node path that torch < 2.1 needs.
@@ -89,7 +90,10 @@ class GradHookGuard:
         self._managed = {id(p) for p in self.hooks.managed_params()}
         # Checked after every backward for a gradient: looked up once here, since walking the
         # module tree with parameters() costs more than the rest of the check.
-        self._unmanaged = [p for p in engine.module.parameters() if id(p) not in self._managed]
+        # Zero-size params are left out: DeepSpeed 0.19.8 drops them from its optimizer (nothing
+        # to reduce or apply), and stock trains the model (a device-marker param, an empty head).
+        self._unmanaged = [p for p in engine.module.parameters()
+                           if id(p) not in self._managed and full_numel(p) != 0]
         unmanaged = [self.name_of(p) for p in self._unmanaged if p.requires_grad]
         if unmanaged:
             raise ValueError(_unmanaged_message(unmanaged))

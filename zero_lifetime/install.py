@@ -71,6 +71,7 @@ class Installation:
         from .adapters.deepcompile import require_no_deepcompile
         from .adapters.engine_backward import make_engine_backward
         from .adapters.grad_hooks import GradHooks
+        from .adapters.zero3_params import full_numel
         from .adapters.zero_optimizer import require_zero1_accumulation_it_reduces_right, require_zero_optimizer
 
         require_supported_version()
@@ -92,7 +93,9 @@ class Installation:
         self.backward = None
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
         self._engine_calls = 0  # engine forward/backward calls running (nested ones counted)
-        self._trainable = [p for p in engine.module.parameters() if p.requires_grad]
+        # Not zero-size params: no values to reduce or apply (0.19.8 leaves them out of its
+        # optimizer, older releases' hooks skip them), nothing to gather or clear.
+        self._trainable = [p for p in engine.module.parameters() if p.requires_grad and full_numel(p) != 0]
         self._accumulating = False  # the running backward writes .grad (not autograd.grad)
         self._forwards_running = 0
         # Params given a gradient by a backward DeepSpeed does not count as one (inside this

@@ -24,6 +24,11 @@ _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _INFLIGHT = "_PartitionedParameterCoordinator__inflight_param_registry"
 
 
+def full_numel(param) -> int:
+    """The param's size on any stage: a released ZeRO-3 param's .numel() is 0 whatever its size."""
+    return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+
+
 class Zero3Params:
     """Gather and release single ZeRO-3 params with the coordinator's accounting."""
 
