@@ -332,9 +332,13 @@ def assert_install_refused(engine, error_match=None, warning_match="Continuing w
 
 def full_weights(engine):
     """Each param's fp32 master, or (a frozen param: the optimizer has none) its own data,
-    gathered on ZeRO-3 (collective: every rank calls this alike)."""
+    gathered on ZeRO-3 (collective: every rank calls this alike). A zero-size param has no
+    values and, on 0.19.8, no master (ZeRO-3 raises for it): an empty tensor of its shape."""
     weights = []
     for p in engine.module.parameters():
+        if (p.ds_numel if hasattr(p, "ds_numel") else p.numel()) == 0:
+            weights.append(torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape))
+            continue
         master = safe_get_full_fp32_param(p)
         if master is None:
             with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else contextlib.nullcontext():

@@ -1,0 +1,89 @@
+"""Zero-size and 0-dim params, and custom autograd Functions that keep weights (not run in CI):
+the figures behind docs/reliability.md, "Zero-size and 0-dim params, custom autograd Functions".
+
+1. tests/test_user_patterns.ContrastiveTowers trained stock (install skipped) as its tests
+   train it, each Function, GAS 1 and 2: the largest weight difference from plain torch, or
+   the error.
+2. What deepspeed.initialize and a first step make, stock, of a zero-size param registered
+   first or after other params, of a module whose only param is zero-size (ZeRO-3), and of a
+   0-dim param: "ok" or the error. Run it with each release's python (README, "Other DeepSpeed
+   releases").
+
+    DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.odd_param_cases
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29632"), RANK="0",
+                  WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def _outcome(run) -> str:
+    try:
+        run()
+        return "ok"
+    except AssertionError as error:
+        lines = [line for line in str(error).splitlines() if "Greatest absolute" in line]
+        return lines[0].strip() if lines else f"AssertionError: {str(error)[:100]}"
+    except Exception as error:  # noqa: BLE001 - the point is to print what stock raises
+        return f"{type(error).__name__}: {str(error)[:100]}"
+
+
+def stock_contrastive_towers():
+    import zero_lifetime
+    import test_user_patterns as cases
+    install = zero_lifetime.install
+    zero_lifetime.install = lambda engine, **kwargs: None
+    try:
+        for stage in (1, 2, 3):
+            for function in sorted(cases.CUSTOM_FUNCTIONS):
+                for gas in (1, 2):
+                    result = _outcome(lambda: cases._train_contrastive_towers(stage, "regather", gas, function=function))
+                    print(f"stock stage {stage} {function:17} GAS {gas}: {result}")
+    finally:
+        zero_lifetime.install = install
+
+
+class _Marked(torch.nn.Module):
+    def __init__(self, marker_first, other_root_param, zero_dim=False):
+        super().__init__()
+        if marker_first:
+            self.marker = torch.nn.Parameter(torch.empty(0))
+        self.linear = torch.nn.Linear(4, 4)
+        if other_root_param:
+            self.scale = torch.nn.Parameter(torch.ones(() if zero_dim else (4,)))
+        if not marker_first:
+            self.marker = torch.nn.Parameter(torch.empty(0))
+
+    def forward(self, x):
+        return self.linear(x) * (self.scale if hasattr(self, "scale") else 1)
+
+
+def stock_initialize_and_step():
+    import deepspeed
+    from harness import ds_config
+    layouts = {"zero-size param first": dict(marker_first=True, other_root_param=True),
+               "zero-size param after others": dict(marker_first=False, other_root_param=True),
+               "zero-size param the root's only one": dict(marker_first=True, other_root_param=False),
+               "0-dim param": dict(marker_first=True, other_root_param=True, zero_dim=True)}
+    for stage in (1, 2, 3):
+        for name, layout in layouts.items():
+            def run():
+                model = _Marked(**layout)
+                engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage), model_parameters=model.parameters())
+                engine.backward(engine(torch.randn(4, 4)).sum())
+                engine.step()
+            print(f"DeepSpeed {deepspeed.__version__} stage {stage} {name:36}: {_outcome(run)}")
+
+
+if __name__ == "__main__":
+    import logging
+
+    import deepspeed
+    deepspeed.init_distributed("gloo")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    stock_contrastive_towers()
+    stock_initialize_and_step()
