@@ -196,7 +196,24 @@ class CheckpointedLlama(torch.nn.Module):
 
 
 # Built by name by a few tests only: the sweeps over MODELS (random programs) leave them out.
-MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints}
+class DeviceMarkedMLPNorm(MLPNorm):
+    """MLPNorm with a zero-size param on its root, as some codebases keep one to find the
+    model's device (a root's own params come first, where 0.18.9's and 0.17.6's ZeRO-1/2 can
+    initialize it), and an output gain beside it (a module whose only params are zero-size
+    fails stock ZeRO-3's gather). The forward uses it, so that it gets a (zero-size) gradient
+    and DDP's oracle finds every param used."""
+
+    def __init__(self):
+        super().__init__()
+        self.device_marker = torch.nn.Parameter(torch.empty(0))
+        self.gain = torch.nn.Parameter(torch.ones(OUT))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain + self.device_marker.sum()
+
+
+MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints,
+               "device_marked": DeviceMarkedMLPNorm}
 
 
 def make_input(model_name: str, seed: int, batch: int = 4):
