@@ -8,6 +8,8 @@ the figures behind docs/reliability.md, "Zero-size and 0-dim params, custom auto
    first or after other params, of a module whose only param is zero-size (ZeRO-3), and of a
    0-dim param: "ok" or the error. Run it with each release's python (README, "Other DeepSpeed
    releases").
+3. The same, 2 gloo ranks, ZeRO-3, harness.DeviceMarkedMLPNorm (a zero-size param beside
+   others): "ok" or the error, stock.
 
     DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.odd_param_cases
 """
@@ -79,6 +81,29 @@ def stock_initialize_and_step():
             print(f"DeepSpeed {deepspeed.__version__} stage {stage} {name:36}: {_outcome(run)}")
 
 
+def _stock_zero3_two_ranks(rank, out_dir, port):
+    os.environ.update(MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    import deepspeed
+    from harness import DeviceMarkedMLPNorm, ds_config
+    deepspeed.init_distributed("gloo")
+
+    def run():
+        model = DeviceMarkedMLPNorm()
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(3), model_parameters=model.parameters())
+        engine.backward(engine(torch.randn(4, 8)).sum())
+        engine.step()
+    result = _outcome(run)
+    if rank == 0:
+        print(f"DeepSpeed {deepspeed.__version__} stage 3, 2 ranks, zero-size param beside others: {result}")
+
+
+def stock_zero3_two_ranks():
+    import tempfile
+
+    from rank_spawn import spawn_ranks
+    spawn_ranks(_stock_zero3_two_ranks, tempfile.mkdtemp(), 2, 300)
+
+
 if __name__ == "__main__":
     import logging
 
@@ -87,3 +112,4 @@ if __name__ == "__main__":
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     stock_contrastive_towers()
     stock_initialize_and_step()
+    stock_zero3_two_ranks()
