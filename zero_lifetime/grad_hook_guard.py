@@ -22,6 +22,8 @@
   fails (an assertion), or on ZeRO-3, where the bucket was reduced between the two,
   keeps only the last application's share without a word. So does a ZeRO-3 leaf module
   applied more than once: its reduction hook fires once per application.
+* A sparse gradient (``nn.Embedding(sparse=True)``) is an error that names the param, before
+  DeepSpeed's hook fails on it.
 * ZeRO-3 leaf modules: DeepSpeed's hook that reduces a leaf module's gradients also fires
   in a ``torch.autograd.grad`` through the module, and there zero-fills and reduces
   gradients no pass computed (into the bucket the next backward then finds them in twice).
@@ -46,6 +48,17 @@ class GradientsNotReducedError(RuntimeError):
 
 class GradientReducedTwiceError(RuntimeError):
     """One backward brought a param's finished gradient to DeepSpeed's buckets twice."""
+
+
+class SparseGradientError(RuntimeError):
+    """A backward produced a sparse gradient, which DeepSpeed's ZeRO buckets cannot hold."""
+
+
+def sparse_gradient_message(name: str, layout) -> str:
+    return (f"zero_lifetime: the gradient of {name} is sparse ({layout}), and DeepSpeed's ZeRO optimizers "
+            f"reduce dense gradients only (stock fails on it). torch.nn.Embedding and "
+            f"EmbeddingBag make sparse gradients with sparse=True: build them with sparse=False. The backward "
+            f"stops here, as any backward that raises (README, \"A backward that raises\").")
 
 
 def _reduced_twice_message(name: str, in_leaf_module: bool) -> str:

@@ -491,6 +491,9 @@ class Installation:
         def before_accumulate(grad):
             if not param.requires_grad:
                 return None  # frozen since the forward: AccumulateGrad adds nothing to .grad
+            if grad.layout is not torch.strided:  # DeepSpeed's hook, next, would fail on it
+                from .grad_hook_guard import SparseGradientError, sparse_gradient_message
+                raise SparseGradientError(sparse_gradient_message(self.grad_guard.name_of(param), grad.layout))
             if not self.scope.open and self._joins_next_backward(param):
                 # DeepSpeed's hooks take these gradients but reduce them in the user's backward
                 # that follows, as part of that one: so do we. (A torch.autograd.grad there
