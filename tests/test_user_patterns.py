@@ -702,3 +702,36 @@ def test_a_zero_size_param(stage, policy, gas):
 def test_a_zero_dim_param(stage, policy):
     """CLIP's 0-dim logit_scale."""
     _train_contrastive_towers(stage, policy, 2, scale_shape=())
+
+
+class SparseEmbeddingBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(11, 8, mode="mean", sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.bag(tokens))).pow(2).mean()
+
+
+@pytest.mark.parametrize("install", [False, True], ids=["stock", "installed"])
+@pytest.mark.parametrize("stage, zero", [(1, {}), (1, {"overlap_comm": False, "contiguous_gradients": False}),
+                                         (2, {}), (3, {})], ids=["1", "1-no_hooks", "2", "3"])
+def test_a_sparse_gradient_is_refused_by_name(stage, zero, install):
+    """EmbeddingBag(sparse=True) makes a sparse gradient, which DeepSpeed's ZeRO buckets
+    cannot hold: stock fails inside DeepSpeed ('aten::view' on a sparse tensor, a dense copy_
+    on ZeRO-3, the gradient norm in step() on ZeRO-1 without hooks); installed raises before that,
+    naming the param and the fix."""
+    from harness import ds_config
+    from zero_lifetime.grad_hook_guard import SparseGradientError
+    torch.manual_seed(0)
+    model = SparseEmbeddingBag()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, **zero), model_parameters=model.parameters())
+    if install:
+        zero_lifetime.install(engine)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(SparseGradientError if install else Exception, match="bag.weight is sparse" if install else None) as failure:
+        engine.backward(engine(tokens))
+        engine.step()
+    if not install:
+        assert not isinstance(failure.value, SparseGradientError)
