@@ -1,5 +1,6 @@
-"""Zero-size and 0-dim params, and custom autograd Functions that keep weights (not run in CI):
-the figures behind docs/reliability.md, "Zero-size and 0-dim params, custom autograd Functions".
+"""Zero-size and 0-dim params, custom autograd Functions that keep weights, embedding variants
+(not run in CI): the figures behind docs/reliability.md, "Zero-size and 0-dim params, custom
+autograd Functions".
 
 1. tests/test_user_patterns.ContrastiveTowers trained stock (install skipped) as its tests
    train it, each Function, GAS 1 and 2: the largest weight difference from plain torch, or
@@ -10,6 +11,9 @@ the figures behind docs/reliability.md, "Zero-size and 0-dim params, custom auto
    releases").
 3. The same, 2 gloo ranks, ZeRO-3, harness.DeviceMarkedMLPNorm (a zero-size param beside
    others): "ok" or the error, stock.
+4. tests/test_user_patterns.EmbeddingHead trained stock as test_embedding_variants trains it
+   (two retained backwards), and nn.Embedding(max_norm=1.0) with ONE backward per step, stock:
+   the largest weight difference from torch, and the largest embedding row norm on each side.
 
     DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.odd_param_cases
 """
@@ -47,6 +51,50 @@ def stock_contrastive_towers():
                     print(f"stock stage {stage} {function:17} GAS {gas}: {result}")
     finally:
         zero_lifetime.install = install
+
+
+def stock_embeddings():
+    import copy
+
+    import deepspeed
+    import test_user_patterns as cases
+    from harness import ds_config, full_weights
+    for stage in (1, 2, 3):
+        for kind in sorted(cases.EMBEDDING_KINDS):
+            def run():
+                torch.manual_seed(0)
+                model = cases.EmbeddingHead(kind)
+                reference = copy.deepcopy(model)
+                engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.05),
+                                                  model_parameters=model.parameters())
+                ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+                for step in range(3):
+                    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+                    for model, backward in ((engine, engine.backward), (reference, torch.Tensor.backward)):
+                        first, second = model(tokens)
+                        backward(first, retain_graph=True)
+                        backward(second)
+                    engine.step()
+                    ref_opt.step()
+                    ref_opt.zero_grad()
+                diff = max((got - want).abs().max().item() for got, want in zip(full_weights(engine), reference.parameters()))
+                raise AssertionError(f"Greatest absolute difference: {diff:.3g}")
+            print(f"stock stage {stage} {kind:18} two backwards: {_outcome(run)}")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(11, 8, max_norm=1.0), torch.nn.Flatten(), torch.nn.Linear(40, 3))
+        reference = copy.deepcopy(model)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.05), model_parameters=model.parameters())
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+        for step in range(3):
+            tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(tokens).pow(2).mean())
+            engine.step()
+            reference(tokens).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        got = full_weights(engine)
+        print(f"stock stage {stage} Embedding(max_norm=1.0), one backward: {(got[0] - reference[0].weight).abs().max():.3g} "
+              f"off torch; largest row norm {got[0].norm(dim=1).max():.3g} (torch {reference[0].weight.norm(dim=1).max():.3g})")
 
 
 class _Marked(torch.nn.Module):
@@ -113,3 +161,4 @@ if __name__ == "__main__":
     stock_contrastive_towers()
     stock_initialize_and_step()
     stock_zero3_two_ranks()
+    stock_embeddings()
