@@ -147,9 +147,11 @@ class Installation:
         self.grad_guard = GradHookGuard(engine, self._grad_hooks)  # refuses unmanaged params first
         # A torch.autograd.grad (scope open, nothing accumulating) reduces nothing.
         self.grad_guard.run_leaf_hooks_only_when(self._pass_accumulates)
-        self.module_hooks = HooksAfterDeepSpeed(engine.module, DeepSpeedModuleHooks(engine) if self.stage == 3
-                                                else None)  # ZeRO-1/2 register no module hooks
+        deepspeed_module_hooks = DeepSpeedModuleHooks(engine) if self.stage == 3 else None
+        self.module_hooks = HooksAfterDeepSpeed(engine.module, deepspeed_module_hooks)  # ZeRO-1/2 register none
         if self.stage == 3:
+            from .selective_checkpoint import keep_module_hooks_outside
+            self._patches.keep(keep_module_hooks_outside(deepspeed_module_hooks))
             from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
             from .integrations.trl_fused_head import TrlFusedHead

@@ -9,8 +9,12 @@ so the new ones then run after every hook registered at install.
 """
 
 from .errors import require, unrecognised
+from .patching import Patches
 
 _HOOK_LISTS = ("forward_hooks", "backward_hooks")
+# What DeepSpeed's forward hooks of a module call on the offload manager: gather its params
+# before, release them after (0.17.6 to 0.19.8).
+_FORWARD_FUNCTIONS = ("pre_sub_module_forward_function", "post_sub_module_forward_function")
 
 
 class DeepSpeedModuleHooks:
@@ -22,7 +26,17 @@ class DeepSpeedModuleHooks:
         for name in _HOOK_LISTS:
             if not isinstance(require(self._offload, name, "ZeRO-3's module hook handles"), list):
                 raise unrecognised(f"ZeRO-3's module hook handles (`parameter_offload.{name}`) are no longer a list")
+        for name in _FORWARD_FUNCTIONS:
+            require(self._offload, name, "what ZeRO-3's module forward hooks call")
         self._seen = self._now()
+
+    def wrap_forward_functions(self, around) -> Patches:
+        """``around(original, module)`` in place of the gather before each module's forward
+        and the release after it. Returns the patches (``undo()`` puts them back)."""
+        patches = Patches()
+        for name in _FORWARD_FUNCTIONS:
+            patches.wrap(self._offload, name, around)
+        return patches
 
     def _now(self) -> tuple:
         # The lists themselves are kept, not their id(): a list put in place of a freed one

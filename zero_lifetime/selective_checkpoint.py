@@ -1,0 +1,38 @@
+"""ZeRO-3's gathers and releases run outside torch's selective activation checkpointing.
+
+torch's selective checkpoint (``torch.utils.checkpoint`` with a ``context_fn`` made by
+``create_selective_checkpoint_contexts``) records every op its region runs in the forward, by
+op and count, and its recompute in the backward must meet the same ops again. DeepSpeed's
+ZeRO-3 module hooks run inside the region. The gathers and releases they make depend on
+DeepSpeed's recorded trace, so the recompute's differ from the forward's once one forward went
+without its backward (a skipped batch, a graph dropped after a retained backward): that
+backward and every later one fail ("aten.empty.memory_format encountered during backward but
+not found in storage"), stock. Run outside the checkpoint's dispatch modes, the hooks' ops are
+not the region's: it records and recomputes the model's own ops only.
+"""
+
+import torch
+
+try:  # torch's private names for it, only here (torch >= 2.4 has selective checkpointing)
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    _CHECKPOINT_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+except ImportError:  # no selective checkpointing to keep the hooks out of
+    _CHECKPOINT_MODES = ()
+
+
+def _inside_selective_checkpoint() -> bool:
+    return any(isinstance(mode, _CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
+
+
+def _outside_selective_checkpoint(original, module):
+    if _CHECKPOINT_MODES and _inside_selective_checkpoint():
+        with _disable_current_modes():
+            return original(module)
+    return original(module)
+
+
+def keep_module_hooks_outside(deepspeed_module_hooks):
+    """Wrap DeepSpeed's per-module gather and release (``adapters.zero3_module_hooks``).
+    Returns the patches."""
+    return deepspeed_module_hooks.wrap_forward_functions(torch.compiler.disable(_outside_selective_checkpoint))
