@@ -778,3 +778,117 @@ def test_embedding_variants(stage, kind):
             backward(first, retain_graph=True)
             backward(second)
         _finish(engine, reference, ref_opt, stage, rtol=TORCH_FP32_RTOL)
+
+
+class SelectivelyCheckpointed(torch.nn.Module):
+    """Blocks under torch's selective activation checkpointing (torchtitan's way): matmul
+    outputs saved, the rest recomputed in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(3))
+        self.out = torch.nn.Linear(16, 4)
+
+    @staticmethod
+    def _save_matmuls(ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def forward(self, x):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+        context_fn = functools.partial(create_selective_checkpoint_contexts, self._save_matmuls)
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+        return losses(self.out(h))
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage, policy", STAGE_POLICIES)
+def test_selective_activation_checkpointing(stage, policy, gas):
+    """One backward of both losses per micro step: weights torch's, nothing left gathered.
+    Two backwards over one forward raise torch's own error, as in torch (its selective
+    checkpoint allows one backward per region), and the training after that goes on like
+    torch's. On ZeRO-3 that needs DeepSpeed's gathers and releases kept out of the region
+    (``zero_lifetime.selective_checkpoint``): stock, the dropped graph's forward leaves the
+    recompute of every later backward failing (test below)."""
+    import copy
+
+    from harness import ds_config
+    torch.manual_seed(0)
+    model = SelectivelyCheckpointed()
+    reference = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.05, gas=gas),
+                                      model_parameters=model.parameters())
+    zero_lifetime.install(engine, policy=policy)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for model, backward in ((engine, engine.backward), (reference, torch.Tensor.backward)):
+        first, second = model(torch.randn(4, 8))
+        backward(first, retain_graph=True)
+        with pytest.raises(RuntimeError, match="only allowed to backward once"):
+            backward(second)
+    engine.zero_grad()
+    ref_opt.zero_grad()
+    for step in range(3):
+        for micro in range(gas):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+            first, second = engine(x)
+            engine.backward(first + second)
+            engine.step()
+            first, second = reference(x)
+            ((first + second) / gas).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_weights_match(engine, reference, rtol=TORCH_FP32_RTOL)
+    if stage == 3:
+        assert released_state(engine) == ([], [])
+
+
+@pytest.mark.parametrize("prelude", ["forward_only", "retained_backward"])
+@pytest.mark.parametrize("policy", [None, "regather", "pin"], ids=["stock", "regather", "pin"])
+def test_selective_checkpointing_after_a_forward_without_its_backward(policy, prelude):
+    """ZeRO-3: a forward whose graph is dropped unbackwarded (a skipped batch), or after one
+    retained backward, then ordinary steps. Stock, DeepSpeed's gathers and releases inside the
+    checkpointed regions differ between the forward and the recompute from then on, and every
+    later backward fails in torch's check; installed trains like torch."""
+    import copy
+
+    from harness import ds_config
+    torch.manual_seed(0)
+    model = SelectivelyCheckpointed()
+    reference = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, lr=0.05), model_parameters=model.parameters())
+    if policy is not None:
+        zero_lifetime.install(engine, policy=policy)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    first, second = engine(torch.randn(4, 8))
+    if prelude == "retained_backward":
+        engine.backward(first, retain_graph=True)
+    del first, second
+    engine.zero_grad()
+
+    def train():
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            first, second = engine(x)
+            engine.backward(first + second)
+            engine.step()
+            first, second = reference(x)
+            (first + second).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+    if policy is None:
+        with pytest.raises(RuntimeError, match="encountered during backward but not found in storage"):
+            train()
+        return
+    train()
+    assert_weights_match(engine, reference, rtol=TORCH_FP32_RTOL)
+    assert released_state(engine) == ([], [])
