@@ -212,7 +212,38 @@ class DeviceMarkedMLPNorm(MLPNorm):
         return super().forward(x) * self.gain + self.device_marker.sum()
 
 
-MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints,
+class SelectivelyCheckpointed(torch.nn.Module):
+    """Blocks under torch's selective activation checkpointing (torchtitan's way): matmul
+    outputs saved, the rest recomputed in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(IN, HIDDEN)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.GELU(),
+                                torch.nn.Linear(2 * HIDDEN, HIDDEN))
+            for _ in range(3))
+        self.out = torch.nn.Linear(HIDDEN, OUT)
+
+    @staticmethod
+    def _save_matmuls(ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def forward(self, x):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+        context_fn = functools.partial(create_selective_checkpoint_contexts, self._save_matmuls)
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+        return self.out(h)
+
+
+MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "selective_ckpt": SelectivelyCheckpointed, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints,
                "device_marked": DeviceMarkedMLPNorm}
 
 

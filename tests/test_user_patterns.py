@@ -12,7 +12,8 @@ import torch
 
 import zero_lifetime
 from harness import (DS_VERSION, TORCH_FP32_RTOL, TORCH_STYLE_BACKWARD, AdaptersInsideCheckpoints, MLPNorm,
-                     assert_weights_match, backward_both, backward_by, losses, make_input, make_pair, released_state)
+                     SelectivelyCheckpointed, assert_weights_match, backward_both, backward_by, losses, make_input,
+                     make_pair, released_state)
 
 SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
 needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
@@ -780,34 +781,12 @@ def test_embedding_variants(stage, kind):
         _finish(engine, reference, ref_opt, stage, rtol=TORCH_FP32_RTOL)
 
 
-class SelectivelyCheckpointed(torch.nn.Module):
-    """Blocks under torch's selective activation checkpointing (torchtitan's way): matmul
-    outputs saved, the rest recomputed in the backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(8, 16)
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
-            for _ in range(3))
-        self.out = torch.nn.Linear(16, 4)
-
-    @staticmethod
-    def _save_matmuls(ctx, op, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy
-        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+class SelectivelyCheckpointedLosses(SelectivelyCheckpointed):
+    """harness.SelectivelyCheckpointed computing its two losses in its forward, so that they
+    are the root's too: then stock ZeRO-3 also fails after a retained backward (test below)."""
 
     def forward(self, x):
-        import functools
-
-        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-        context_fn = functools.partial(create_selective_checkpoint_contexts, self._save_matmuls)
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
-        return losses(self.out(h))
+        return losses(super().forward(x))
 
 
 @pytest.mark.parametrize("gas", [1, 2])
@@ -823,7 +802,7 @@ def test_selective_activation_checkpointing(stage, policy, gas):
 
     from harness import ds_config
     torch.manual_seed(0)
-    model = SelectivelyCheckpointed()
+    model = SelectivelyCheckpointedLosses()
     reference = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.05, gas=gas),
                                       model_parameters=model.parameters())
@@ -862,7 +841,7 @@ def test_selective_checkpointing_after_a_forward_without_its_backward(policy, pr
 
     from harness import ds_config
     torch.manual_seed(0)
-    model = SelectivelyCheckpointed()
+    model = SelectivelyCheckpointedLosses()
     reference = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, lr=0.05), model_parameters=model.parameters())
     if policy is not None:

@@ -31,7 +31,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS = 3
 # SGD step sizes that keep 3 steps of the unbounded linear loss (harness.losses) tame,
 # so the comparison is not amplified by a diverging run (lr 0.1 blows both models up).
-LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01, "llama_ckpt": 0.01, "ckpt_adapters": 0.05, "device_marked": 0.01}
+LR = {"mlp_norm": 0.01, "tied_lm": 0.001, "ckpt_reentrant": 0.01, "ckpt_nonreentrant": 0.01, "mlp_norm_fp64": 0.01, "llama_ckpt": 0.01, "ckpt_adapters": 0.05, "device_marked": 0.01, "selective_ckpt": 0.05}
 # A rank whose peer raised mid-scenario may wait forever (seen: a DeepSpeed collective on
 # the CPU, which can go through its shm comm op, ignored the gloo timeout); plain gloo
 # collectives give up after COLLECTIVE_TIMEOUT_S.
@@ -43,7 +43,7 @@ CONTROL_TIMEOUT_S = 45
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
               persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None,
-              compile=None, leaf=False, generation=False, config=None, weights="full_fp32"):
+              compile=None, leaf=False, generation=False, config=None, weights="full_fp32", dropped_forward=False):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
     ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
     ``zero``: more zero_optimization settings (param offload, ZeRO++); ``config``: top-level ones.
@@ -51,11 +51,12 @@ def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather
     "param_data", the params' own data (ZeRO-1/2); "recorded", the masters, also kept in the record.
     ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``.
     ``leaf``: the LayerNorm is a ZeRO-3 leaf module (``set_z3_leaf_modules``).
-    ``generation``: each step begins with a forward in TRL's generation context (``_generate``)."""
+    ``generation``: each step begins with a forward in TRL's generation context (``_generate``).
+    ``dropped_forward``: the first step begins with a forward whose graph is dropped unbackwarded."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
                 gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf, generation=generation,
-                config=config or {}, weights=weights)
+                config=config or {}, weights=weights, dropped_forward=dropped_forward)
 
 
 def _build_scenarios():
@@ -217,6 +218,11 @@ def _build_scenarios():
         for gas, schedule in ((1, None), (2, [2, 2, 1, 2, 2, 1])):
             out.append(_scenario(f"two-stage{stage}-device_marked-gas{gas}", "steps", stage,
                                  model="device_marked", gas=gas, schedule=schedule))
+    # torch's selective activation checkpointing (one backward per forward, as it allows), after
+    # a first forward whose graph is dropped: ZeRO-3's gathers and releases stay out of its regions.
+    for stage, policy in ((1, "regather"), (2, "regather"), (3, "regather"), (3, "pin")):
+        out.append(_scenario(f"selective_ckpt-stage{stage}-{policy}-dropped_forward", "steps", stage, policy=policy,
+                             model="selective_ckpt", schedule=[1] * STEPS, dropped_forward=True))
     # The other spellings of the clear between the two backwards, the ZeRO optimizer's
     # zero_grad() and torch's model.zero_grad(): each drops what every rank reduced.
     for stage in (1, 2, 3):
@@ -514,6 +520,8 @@ def _engine_step(engine, sc, step, backwards, rank):
     x = _shard(sc["model"], step, rank)
     if sc.get("generation"):
         _generate(engine, x)
+    if sc.get("dropped_forward") and step == 0:
+        engine(x)  # a skipped batch: its graph goes unbackwarded
     if sc["kind"] == "penalty":
         loss = _penalty_loss(engine, x)
         compiled = graph_has_compiled_code(loss)
