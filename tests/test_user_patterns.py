@@ -872,3 +872,18 @@ def test_selective_checkpointing_after_a_forward_without_its_backward(policy, pr
     train()
     assert_weights_match(engine, reference, rtol=TORCH_FP32_RTOL)
     assert released_state(engine) == ([], [])
+
+
+def test_selective_checkpointing_private_names_moved_warns(monkeypatch):
+    """A torch with selective checkpointing whose private names moved: install warns that it
+    cannot keep ZeRO-3's gathers out of the regions, and patches nothing for it."""
+    from harness import ds_config
+    from zero_lifetime import selective_checkpoint
+    monkeypatch.setattr(selective_checkpoint, "_CHECKPOINT_MODES", ())
+    model = SelectivelyCheckpointedLosses()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3), model_parameters=model.parameters())
+    offload = engine.optimizer.parameter_offload
+    stock = (offload.pre_sub_module_forward_function, offload.post_sub_module_forward_function)
+    with pytest.warns(RuntimeWarning, match="not the private names"):
+        zero_lifetime.install(engine)
+    assert (offload.pre_sub_module_forward_function, offload.post_sub_module_forward_function) == stock

@@ -151,7 +151,9 @@ class Installation:
         self.module_hooks = HooksAfterDeepSpeed(engine.module, deepspeed_module_hooks)  # ZeRO-1/2 register none
         if self.stage == 3:
             from .selective_checkpoint import keep_module_hooks_outside
-            self._patches.keep(keep_module_hooks_outside(deepspeed_module_hooks))
+            selective_checkpoint_patches = keep_module_hooks_outside(deepspeed_module_hooks)
+            if selective_checkpoint_patches is not None:
+                self._patches.keep(selective_checkpoint_patches)
             from .adapters.zero3_teardown import DestroyedEngineRelease
             from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
             from .integrations.trl_fused_head import TrlFusedHead

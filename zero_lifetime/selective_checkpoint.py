@@ -11,14 +11,23 @@ not found in storage"), stock. Run outside the checkpoint's dispatch modes, the 
 not the region's: it records and recomputes the model's own ops only.
 """
 
+import warnings
+
 import torch
+import torch.utils.checkpoint
 
 try:  # torch's private names for it, only here (torch >= 2.4 has selective checkpointing)
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
     _CHECKPOINT_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-except ImportError:  # no selective checkpointing to keep the hooks out of
+except ImportError:
     _CHECKPOINT_MODES = ()
+
+_NAMES_MOVED = (
+    "zero_lifetime: this torch has selective activation checkpointing, but not the private names "
+    "zero_lifetime keeps ZeRO-3's gathers out of its regions with (zero_lifetime/selective_checkpoint.py): "
+    "under selective checkpointing, a forward without its backward breaks every later backward, as stock. "
+    "Full activation checkpointing is unaffected.")
 
 
 def _inside_selective_checkpoint() -> bool:
@@ -26,7 +35,9 @@ def _inside_selective_checkpoint() -> bool:
 
 
 def _outside_selective_checkpoint(original, module):
-    if _CHECKPOINT_MODES and _inside_selective_checkpoint():
+    if _inside_selective_checkpoint():
+        # Every mode is off, the checkpoint's and any other (a FLOP counter): the hooks'
+        # gathers and releases are no op of the model's.
         with _disable_current_modes():
             return original(module)
     return original(module)
@@ -34,5 +45,10 @@ def _outside_selective_checkpoint(original, module):
 
 def keep_module_hooks_outside(deepspeed_module_hooks):
     """Wrap DeepSpeed's per-module gather and release (``adapters.zero3_module_hooks``).
-    Returns the patches."""
+    Returns the patches, or None where torch has no selective checkpointing (or, with a
+    warning, where its private names moved)."""
+    if not _CHECKPOINT_MODES:
+        if hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+            warnings.warn(_NAMES_MOVED, RuntimeWarning, stacklevel=3)
+        return None
     return deepspeed_module_hooks.wrap_forward_functions(torch.compiler.disable(_outside_selective_checkpoint))
