@@ -487,8 +487,9 @@ def test_actor_critic_with_target_networks(stage, policy, gas):
         reference.update_targets()
 
     # The critic's loss, then the actor's.
-    _two_losses_per_micro_step(engine, reference, ref_opt, lambda g: [torch.randn(4, n, generator=g) for n in (6, 2, 1, 6)],
-                               gas, after_step=update_targets)
+    _two_losses_per_micro_step(engine, reference, ref_opt,
+                               lambda g: [torch.randn(4, n, generator=g) for n in (6, 2, 1, 6)], gas,
+                               after_step=update_targets)
     # The frozen params too (harness.full_weights); torch.testing's fp32 bounds, as these tests had.
     _assert_trained_like_torch(engine, reference, stage)
 
@@ -734,7 +735,8 @@ def test_a_sparse_gradient_is_refused_by_name(stage, zero, install):
     if install:
         zero_lifetime.install(engine)
     tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(SparseGradientError if install else Exception, match="bag.weight is sparse" if install else None) as failure:
+    expected, match = (SparseGradientError, "bag.weight is sparse") if install else (Exception, None)
+    with pytest.raises(expected, match=match) as failure:
         engine.backward(engine(tokens))
         engine.step()
     if not install:
