@@ -195,7 +195,6 @@ class CheckpointedLlama(torch.nn.Module):
         return self.lm(input_ids=tokens).logits
 
 
-# Built by name by a few tests only: the sweeps over MODELS (random programs) leave them out.
 class DeviceMarkedMLPNorm(MLPNorm):
     """MLPNorm with a zero-size param on its root, as some codebases keep one to find the
     model's device (a root's own params come first, where 0.18.9's and 0.17.6's ZeRO-1/2 can
@@ -243,8 +242,9 @@ class SelectivelyCheckpointed(torch.nn.Module):
         return self.out(h)
 
 
-MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "selective_ckpt": SelectivelyCheckpointed, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints,
-               "device_marked": DeviceMarkedMLPNorm}
+# Built by name by a few tests only: the sweeps over MODELS (random programs) leave them out.
+MORE_MODELS = {"mlp_norm_fp64": Float64MLPNorm, "llama_ckpt": CheckpointedLlama, "ckpt_adapters": AdaptersInsideCheckpoints,
+               "device_marked": DeviceMarkedMLPNorm, "selective_ckpt": SelectivelyCheckpointed}
 
 
 def make_input(model_name: str, seed: int, batch: int = 4):
