@@ -10,22 +10,29 @@ however the forward ran.
 """
 
 import pytest
+import torch
 
 import zero_lifetime
 from harness import (DS_VERSION, assert_weights_match, losses, make_input, make_pair, released_state,
                      two_backwards_step_like_torch)
 
-# engine.backward divides by gradient_accumulation_steps: the loss itself on 0.19.8 and 0.17.6;
-# on 0.18.9 only the engine forward's output hooks do, so over a forward that bypassed it
-# nothing is divided (stock and installed alike).
-DIVIDED_BY_GAS = DS_VERSION != "0.18.9"
 
 
-def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2):
+def _through_functional_call(module):
+    """torch.func.functional_call with the module's own params: another forward that
+    bypasses engine.forward."""
+    return lambda x: torch.func.functional_call(module, dict(module.named_parameters()), (x,))
+
+
+def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2, forward=None, divided=True):
+    """engine.backward divides the loss by gradient_accumulation_steps, as torch's
+    ``(loss / gas).backward()`` (stock 0.18.9 divides only at engine.forward's outputs,
+    so nothing over these forwards: test below; ``divided=False`` for its oracle)."""
+    forward = forward or engine.module
     for step in range(steps):
         for micro in range(gas):
             x = make_input("mlp_norm", 10 * step + micro)
-            l1, l2 = losses(engine.module(x))
+            l1, l2 = losses(forward(x))
             if backwards == 2:
                 engine.backward(l1, retain_graph=True)
                 engine.backward(l2)
@@ -33,7 +40,7 @@ def _steps(engine, reference, ref_opt, stage, gas, backwards, steps=2):
                 engine.backward(l1 + l2)
             engine.step()
             r1, r2 = losses(reference(x))
-            ((r1 + r2) / (gas if DIVIDED_BY_GAS else 1)).backward()
+            ((r1 + r2) / (gas if divided else 1)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         assert_weights_match(engine, reference)
@@ -53,6 +60,30 @@ def test_forward_through_the_module_trains_like_torch(stage, backwards, gas, off
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=gas, **zero)
     zero_lifetime.install(engine)
     _steps(engine, reference, ref_opt, stage, gas, backwards)
+
+
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one_backward", "two_backwards"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_functional_call_trains_like_torch(stage, backwards):
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
+    zero_lifetime.install(engine)
+    _steps(engine, reference, ref_opt, stage, 2, backwards, forward=_through_functional_call(engine.module))
+
+
+@pytest.mark.skipif(DS_VERSION != "0.18.9", reason="0.19.8 and 0.17.6 divide the loss in engine.backward")
+@pytest.mark.parametrize("through", ["module", "functional_call"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_0_18_9_engine_backward_over_such_a_forward_divides_nothing(stage, through):
+    """Why installed 0.18.9 divides the loss itself: stock trains on GAS times torch's
+    gradient there, without an error. (ZeRO-3 stock overwrites micro steps: test above.)"""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
+    forward = engine.module if through == "module" else _through_functional_call(engine.module)
+    with pytest.raises(AssertionError, match="l1.weight"):
+        _steps(engine, reference, ref_opt, stage, 2, backwards=1, steps=1, forward=forward)
+    # Against torch's undivided loss it matches: the whole difference is the missing division.
+    engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
+    forward = engine.module if through == "module" else _through_functional_call(engine.module)
+    _steps(engine, reference, ref_opt, stage, 2, backwards=1, steps=1, forward=forward, divided=False)
 
 
 @pytest.mark.skipif(DS_VERSION == "0.17.6", reason="0.17.6 advances ZeRO-3's micro step in its epilogue, "

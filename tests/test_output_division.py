@@ -46,8 +46,9 @@ def _loss_of(out, use):
     return {"loss": out["loss"], "logits": logits_term, "both": out["loss"] + logits_term}[use]
 
 
-def _train(model, stage, path, loss_of, install=True, windows=WINDOWS):
-    """(engine, torch reference) after ``windows`` windows of GAS micro steps."""
+def _train(model, stage, path, loss_of, install=True, windows=WINDOWS, backward=None):
+    """(engine, torch reference) after ``windows`` windows of GAS micro steps; ``backward(engine,
+    loss, window)`` instead of one on ``path``."""
     torch.manual_seed(0)
     reference = copy.deepcopy(model)
     cfg = ds_config(stage, gas=GAS)
@@ -58,7 +59,10 @@ def _train(model, stage, path, loss_of, install=True, windows=WINDOWS):
     for window in range(windows):
         for micro in range(GAS):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * window + micro))
-            backward_by(engine, loss_of(engine(x)), path)
+            if backward is None:
+                backward_by(engine, loss_of(engine(x)), path)
+            else:
+                backward(engine, loss_of(engine(x)), window)
             engine.step()
             (loss_of(reference(x)) / GAS).backward()
         optimizer.step()
@@ -181,3 +185,31 @@ def test_input_gradient_through_returned_outputs_is_not_divided(stage):
     got, = torch.autograd.grad(_loss_of(engine(x), "both"), [x])
     want, = torch.autograd.grad(_loss_of(reference(x), "both"), [x])
     torch.testing.assert_close(got, want)
+
+
+def _unscaled_engine_backward_then_plain(engine, loss, window):
+    """A window of ``engine.backward(loss / GAS, scale_wrt_gas=False)`` (the transformers
+    Trainer's call), then one of plain ``loss.backward()`` through engine(...): torch's
+    ``(loss / GAS).backward()`` in both."""
+    if window == 0:
+        engine.backward(loss / GAS, scale_wrt_gas=False)
+    else:
+        loss.backward()
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="this DeepSpeed has no plain loss.backward() path")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_plain_backward_after_an_unscaled_engine_backward_is_divided(stage):
+    engine, reference = _train(LossAndLogits(), stage, None, lambda out: out["loss"],
+                               backward=_unscaled_engine_backward_then_plain)
+    assert_weights_match(engine, reference)
+
+
+@pytest.mark.skipif(DS_VERSION != "0.18.9", reason="0.18.9 keeps engine.backward's scale_wrt_gas for later backwards")
+def test_stock_0_18_9_plain_backward_after_an_unscaled_engine_backward_is_not_divided():
+    """Negative control: stock 0.18.9 keeps the last engine.backward's scale_wrt_gas=False,
+    and its output hooks then leave every later plain backward undivided (ZeRO-3: no
+    output divided twice here)."""
+    engine, reference = _train(LossAndLogits(), 3, None, lambda out: out["loss"], install=False,
+                               backward=_unscaled_engine_backward_then_plain)
+    with pytest.raises(AssertionError, match="l1.weight"):
+        assert_weights_match(engine, reference)

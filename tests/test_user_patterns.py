@@ -515,15 +515,12 @@ def test_every_trainable_param_inside_reentrant_checkpoints(stage, gas, path, fo
     """One backward of both losses or two retained ones per micro step, at GAS 1 and 2 (the
     loss.backward() path, "manual": DeepSpeed's output hooks divide the outputs' gradient by GAS, in a
     pass that accumulates), the forward through the engine or its module (then with
-    engine.backward: README, Limitations). Install used to take such a backward for a
+    engine.backward, which divides the loss: installed 0.18.9 too). Install used to take such a backward for a
     torch.autograd.grad (nothing reaches .grad in its own graph) and left DeepSpeed's prologue
     out: ZeRO-3 ended 1e-1 off torch with one backward, ZeRO-1/2 2e-2 with two, silently
     (benchmarks/experiments/reentrant_checkpoint_cases.py)."""
     if path == "manual" and not TORCH_STYLE_BACKWARD:
         pytest.skip("loss.backward() reduces nothing on this DeepSpeed")
-    if forward == "module" and gas > 1 and DS_VERSION == "0.18.9":
-        pytest.skip("0.18.9 divides by GAS only in the engine forward's output hooks: nothing over a forward "
-                    "through the module, stock and installed (README)")
     engine, reference, ref_opt = _adapters_pair(stage, gas)
     zero_lifetime.install(engine)
     for step in range(3):

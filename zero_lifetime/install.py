@@ -300,7 +300,7 @@ class Installation:
             self.recover_if_backward_died()
             try:
                 with self._engine_call():
-                    return original(loss, *args, **kwargs)
+                    return self.backward.engine_backward(original, loss, *args, **kwargs)
             except BaseException as error:
                 self.recover_if_backward_died()  # after DeepSpeed's own handlers have run
                 if self._stepped_by_accelerate_backward:

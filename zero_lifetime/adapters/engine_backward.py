@@ -31,6 +31,10 @@ class EngineBackwardBase:
         if not hasattr(torch._C, "_current_graph_task_id"):
             raise RuntimeError("zero_lifetime needs torch._C._current_graph_task_id (torch >= 2.1)")
 
+    def engine_backward(self, original, loss, *args, **kwargs):
+        """Call DeepSpeed's engine.backward (``original``) as this release should run it."""
+        return original(loss, *args, **kwargs)
+
     def clear_reduced_grads(self) -> None:
         """Start the next backward from zero: ZeRO-3 resets its micro step (copy, not add)."""
         self.optimizer.zero_grad()

@@ -12,6 +12,12 @@ from .patching import wrap_method
 
 _HOOK_MANAGERS_ATTR = "_backward_hook_managers"
 
+# engine.backward calls of installed engines running on 0.18.9 that divided their loss by
+# gradient_accumulation_steps (every engine's output hooks then stand aside, as 0.19.8's
+# _ENGINE_BACKWARD_GRAPH_TRACKER has it). Global, not per thread: autograd runs hooks on its
+# device threads.
+_divided_loss_backwards = 0
+
 
 class HookedEngineBackward(EngineBackwardBase):
 
@@ -33,12 +39,39 @@ class HookedEngineBackward(EngineBackwardBase):
         self._engine_graphs = getattr(engine_module, "_ENGINE_BACKWARD_GRAPH_TRACKER", None)
         if self._engine_graphs is not None:
             require(self._engine_graphs, "is_current_graph_registered", "the engine-backward graph marks")
+        else:
+            require(engine, "_scale_wrt_gas", "the engine.backward scale_wrt_gas flag of the output hooks")
         from deepspeed.runtime.utils import OutputBackwardHookManager
         # An instance attribute: probe a fresh manager (construction has no side effects).
         probe = OutputBackwardHookManager(lambda: None)
         require(probe, "preprocess_done", "the output-hook once flag")
         require(probe, "preprocess_per_tensor_fn", "the output-hook per-tensor gradient scaling")
         require(probe, "hook_handles", "the output-hook handles")
+
+    def engine_backward(self, original, loss, retain_graph=False, scale_wrt_gas=True):
+        """0.19.8's engine.backward divides the loss by gradient_accumulation_steps. 0.18.9's
+        leaves that to the hooks engine.forward puts on its outputs, so over a forward that
+        bypassed it (``engine.module(x)``, ``torch.func.functional_call``, a method of the
+        model) nothing was divided: GAS times torch's gradient, silently. Here 0.18.9 divides
+        the loss as 0.19.8 does, with every installed engine's output hooks standing aside.
+        0.18.9 also keeps the last call's ``scale_wrt_gas`` for later plain backwards (one
+        ``scale_wrt_gas=False``, as the transformers Trainer passes, and a later
+        ``loss.backward()`` went undivided): reset to the default after each call."""
+        if self._engine_graphs is not None:
+            return original(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        global _divided_loss_backwards
+        try:
+            if not scale_wrt_gas:
+                return original(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+            _divided_loss_backwards += 1
+            try:
+                divided = loss / self.engine.gradient_accumulation_steps()
+                # Returns the loss it was given when told not to scale: the divided one, as stock returns.
+                return original(divided, retain_graph=retain_graph, scale_wrt_gas=False)
+            finally:
+                _divided_loss_backwards -= 1
+        finally:
+            self.engine._scale_wrt_gas = True
 
     @property
     def _state(self):
@@ -90,10 +123,13 @@ class HookedEngineBackward(EngineBackwardBase):
         gradient, a gradient penalty's inner gradient, GradNorm) returned gradients divided
         by it. The division runs only when ``should_scale()`` (a pass that accumulates .grad);
         ``on_divided()`` is called each time it did divide."""
+        def in_a_pass_to_divide():
+            return should_scale() and _divided_loss_backwards == 0
+
         for manager in managers:
             scale = manager.preprocess_per_tensor_fn
             if scale is not None:
-                manager.preprocess_per_tensor_fn = _scaling_only_when(scale, should_scale, on_divided)
+                manager.preprocess_per_tensor_fn = _scaling_only_when(scale, in_a_pass_to_divide, on_divided)
 
     @staticmethod
     def output_hooks(managers) -> "OutputHooks":
@@ -107,9 +143,10 @@ class HookedEngineBackward(EngineBackwardBase):
     def engine_backward_running(self) -> bool:
         """Is DeepSpeed's own backward running? This engine's backward (called by anyone, a
         pipeline schedule's included) or a pipeline stage's backward of its outputs, and on
-        0.19.8 any engine's backward (it marks the graph, whose loss it divided). Those divide
-        by gradient_accumulation_steps as they mean to."""
-        if self.engine._running_engine_backward:
+        0.19.8 any engine's backward (it marks the graph, whose loss it divided), on 0.18.9 any
+        installed engine's (``engine_backward``). Those divide by gradient_accumulation_steps
+        as they mean to."""
+        if self.engine._running_engine_backward or _divided_loss_backwards:
             return True
         return self._engine_graphs is not None and self._engine_graphs.is_current_graph_registered()
 
