@@ -3,13 +3,13 @@ accumulation once, not once per engine they pass on the way back.
 
 On the torch-style path (``loss.backward()``), DeepSpeed 0.18.9 and 0.19.8 divide the gradient
 flowing back through an engine's forward outputs by that engine's gradient_accumulation_steps
-(0.18.9's ``engine.backward(loss)`` too: it divides at the outputs, not the loss).
+(stock 0.18.9's ``engine.backward(loss)`` too: it divides at the outputs, not the loss).
 When engine B is fed engine A's output (an encoder engine feeding a head engine, a GAN's G
 feeding a D whose params take gradients in G's step, an engine fed its own earlier output), the
 gradient reaching A's params has passed B's outputs and then A's: with GAS 2 on both, A trained
 on a quarter of the loss's gradient instead of the half that torch's ``(loss / 2).backward()``
 gives, silently, installed or not. 0.19.8's ``engine.backward(loss)`` divides the loss once
-instead (its hooks stand aside), and was right.
+instead (its hooks stand aside), and was right; installed 0.18.9's does the same.
 
 B multiplies the gradient leaving it through such an input back by its own GAS, in the passes
 where the hooks on that forward's outputs divided. Only inputs whose whole gradient goes on into
@@ -43,8 +43,8 @@ MIXED_INPUT_WARNING = (
     f"or from more than {MAX_NODES_WALKED} autograd nodes besides, which zero_lifetime does not "
     "follow. With gradient accumulation, the engine output's share of its gradient was divided "
     "by both engines' gradient_accumulation_steps, as in stock DeepSpeed: the shares cannot be "
-    "told apart at the input. Keep such tensors inside an engine, or, on DeepSpeed 0.19.8, "
-    "call engine.backward(loss), which divides the loss once.")
+    "told apart at the input. Keep such tensors inside an engine, or call "
+    "engine.backward(loss), which divides the loss once.")
 
 
 class OutputDivision:

@@ -3,7 +3,7 @@ gradient passes.
 
 DeepSpeed 0.18.9 and 0.19.8 divide the gradient arriving at each forward output by
 gradient_accumulation_steps, with a hook on the output tensor (on the torch-style
-``loss.backward()`` path; 0.18.9's ``engine.backward(loss)`` too). On ZeRO-1/2 the outputs are
+``loss.backward()`` path; stock 0.18.9's ``engine.backward(loss)`` too). On ZeRO-1/2 the outputs are
 the model's own tensors, so when the model computed one output from another (every transformers
 model: ``loss`` from the ``logits`` it returns beside it), the loss's gradient, divided at the
 loss, reaches the logits inside the model and is divided there again: with GAS 2 the model

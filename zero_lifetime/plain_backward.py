@@ -16,7 +16,8 @@ called directly) gets neither. Stock DeepSpeed then reduces nothing and step() f
 
 DeepSpeed's own backwards are left alone: ``engine.backward(loss)`` divides the loss itself
 (0.19.8, which also marks the graph, so another engine's backward through this one counts;
-0.18.9 divides nothing there, as stock does), and a pipeline schedule backwards its stages'
+on 0.18.9 the installed engine.backward does, adapters/engine_backward_hooked.py), and a
+pipeline schedule backwards its stages'
 outputs as it means to. 0.17.6 refuses plain backwards at their first gradient.
 """
 
