@@ -5,6 +5,7 @@ reach"); they passed installed and are kept so that they stay so.
 """
 
 import contextlib
+import copy
 
 import deepspeed
 import pytest
@@ -13,7 +14,7 @@ import torch
 import zero_lifetime
 from harness import (DS_VERSION, TORCH_FP32_RTOL, TORCH_STYLE_BACKWARD, AdaptersInsideCheckpoints, MLPNorm,
                      SelectivelyCheckpointed, assert_weights_match, backward_both, backward_by, losses, make_input,
-                     make_pair, released_state)
+                     make_pair, released_state, ds_config)
 
 SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
 needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
@@ -144,10 +145,6 @@ needs_streams = pytest.mark.skipif(DS_VERSION in ("0.17.6", "0.18.9"),
 
 
 def _deepspeed_checkpointed_pair(stage):
-    import copy
-
-    import deepspeed
-    from harness import ds_config
     torch.manual_seed(0)
     model = DeepSpeedCheckpointed()
     reference = copy.deepcopy(model)
@@ -293,8 +290,6 @@ class RecurrentPolicy(torch.nn.Module):
 
 
 def _module_kind_pair(kind, stage):
-    from harness import ds_config
-
     def build():
         torch.manual_seed(0)  # built twice: the deprecated weight_norm cannot be deep-copied
         return RecurrentPolicy(kind) if kind in ("lstm", "gru") else ReparametrizedCritic(kind)
@@ -408,9 +403,6 @@ MORE_MODULE_KINDS = {"batch_norm_critic": (BatchNormCritic, (4, 3, 8, 8)),
 def test_batch_norm_and_attention_modules(stage, kind):
     """Two retained backwards of one forward per step: weights and BatchNorm's running
     statistics torch's (stock ZeRO-1/2 end 5e-3 to 2e-2 off torch here, stock ZeRO-3 fails)."""
-    import copy
-
-    from harness import ds_config
     build, shape = MORE_MODULE_KINDS[kind]
     torch.manual_seed(0)
     model = build()
@@ -471,9 +463,6 @@ def test_actor_critic_with_target_networks(stage, policy, gas):
     """The target copies are in the engine's module but not trained (left out of the
     optimizer); after each step they move towards the trained ones. Every weight, the
     targets' included, torch's (stock ZeRO-1/2 end 2e-2 to 8e-2 off, stock ZeRO-3 fails)."""
-    import copy
-
-    from harness import ds_config
     torch.manual_seed(0)
     model = ActorCritic()
     reference = copy.deepcopy(model)
@@ -495,9 +484,6 @@ def test_actor_critic_with_target_networks(stage, policy, gas):
 
 
 def _adapters_pair(stage, gas, deepspeed_checkpoint=False):
-    import copy
-
-    from harness import ds_config
     torch.manual_seed(0)
     model = AdaptersInsideCheckpoints(deepspeed_checkpoint)
     reference = copy.deepcopy(model)
@@ -651,9 +637,6 @@ class ContrastiveTowers(torch.nn.Module):
 def _train_contrastive_towers(stage, policy, gas, install=True, **model_kwargs):
     """Three steps of two retained backwards per micro step through the engine and through the
     same model in torch; returns (engine, reference)."""
-    import copy
-
-    from harness import ds_config
     torch.manual_seed(0)
     model = ContrastiveTowers(**model_kwargs)
     reference = copy.deepcopy(model)
@@ -724,7 +707,6 @@ def test_a_sparse_gradient_is_refused_by_name(stage, zero, install):
     cannot hold: stock fails inside DeepSpeed ('aten::view' on a sparse tensor, a dense copy_
     on ZeRO-3, the gradient norm in step() on ZeRO-1 without hooks); installed raises before that,
     naming the param and the fix."""
-    from harness import ds_config
     from zero_lifetime.grad_hook_guard import SparseGradientError
     torch.manual_seed(0)
     model = SparseEmbeddingBag()
@@ -769,9 +751,6 @@ def test_embedding_variants(stage, kind):
 
 
 def _train_embedding_head(stage, kind, install=True):
-    import copy
-
-    from harness import ds_config
     torch.manual_seed(0)
     model = EmbeddingHead(kind)
     reference = copy.deepcopy(model)
@@ -800,9 +779,6 @@ def test_selective_activation_checkpointing(stage, policy, gas):
     torch's. On ZeRO-3 that needs DeepSpeed's gathers and releases kept out of the region
     (``zero_lifetime.selective_checkpoint``): stock, the dropped graph's forward leaves the
     recompute of every later backward failing (test below)."""
-    import copy
-
-    from harness import ds_config
     torch.manual_seed(0)
     model = SelectivelyCheckpointedLosses()
     reference = copy.deepcopy(model)
@@ -837,9 +813,6 @@ def test_selective_checkpointing_after_a_forward_without_its_backward(policy, pr
     retained backward, then ordinary steps. Stock, DeepSpeed's gathers and releases inside the
     checkpointed regions differ between the forward and the recompute from then on, and every
     later backward fails in torch's check; installed trains like torch."""
-    import copy
-
-    from harness import ds_config
     torch.manual_seed(0)
     model = SelectivelyCheckpointedLosses()
     reference = copy.deepcopy(model)
@@ -876,7 +849,6 @@ def test_selective_checkpointing_after_a_forward_without_its_backward(policy, pr
 def test_selective_checkpointing_private_names_moved_warns(monkeypatch):
     """A torch with selective checkpointing whose private names moved: install warns that it
     cannot keep ZeRO-3's gathers out of the regions, and patches nothing for it."""
-    from harness import ds_config
     from zero_lifetime import selective_checkpoint
     monkeypatch.setattr(selective_checkpoint, "_CHECKPOINT_MODES", ())
     model = SelectivelyCheckpointedLosses()
@@ -886,3 +858,44 @@ def test_selective_checkpointing_private_names_moved_warns(monkeypatch):
     with pytest.warns(RuntimeWarning, match="not the private names"):
         zero_lifetime.install(engine)
     assert (offload.pre_sub_module_forward_function, offload.post_sub_module_forward_function) == stock
+
+
+class TwoLossMLP(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.norm, self.l2 = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return losses(self.l2(torch.tanh(self.norm(self.l1(x)))))
+
+
+def _two_group_adamw(model):
+    """The usual two groups: weight decay on the matrices, none and a higher lr for the rest."""
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    others = [p for p in model.parameters() if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                              {"params": others, "lr": 0.03, "weight_decay": 0.0}], lr=0.01)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage, policy", STAGE_POLICIES)
+def test_client_optimizer_with_param_groups_and_scheduler(stage, policy, gas):
+    """A torch optimizer and LR scheduler handed to deepspeed.initialize (no optimizer in the
+    config), two param groups: torch's weights and learning rates. (Stock ends off torch here
+    on ZeRO-1/2 and fails the second backward on ZeRO-3, as with any two retained backwards.)"""
+    torch.manual_seed(0)
+    model = TwoLossMLP()
+    reference = copy.deepcopy(model)
+    optimizer = _two_group_adamw(model)
+    config = ds_config(stage, gas=gas)
+    del config["optimizer"]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                      lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5))
+    zero_lifetime.install(engine, policy=policy)
+    ref_opt = _two_group_adamw(reference)
+    ref_schedule = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+    _two_losses_per_micro_step(engine, reference, ref_opt, lambda g: (torch.randn(4, 8, generator=g),), gas,
+                               after_step=ref_schedule.step)
+    _assert_trained_like_torch(engine, reference, stage)
+    assert engine.get_lr() == ref_schedule.get_last_lr() == [0.01 / 8, 0.03 / 8]
