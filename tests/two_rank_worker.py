@@ -43,7 +43,8 @@ CONTROL_TIMEOUT_S = 45
 
 def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather", model="mlp_norm",
               persistence=0, schedule=None, install=True, offload=False, gas=1, zero_init=False, zero=None,
-              compile=None, leaf=False, generation=False, config=None, weights="full_fp32", dropped_forward=False):
+              compile=None, leaf=False, generation=False, config=None, weights="full_fp32", dropped_forward=False,
+              forward="engine"):
     """``schedule``: backwards per micro-step; with ``gas`` > 1 every ``gas`` micro-steps make a step.
     ``zero_init``: the model is built inside ``deepspeed.zero.Init`` (partitioned as it is made).
     ``zero``: more zero_optimization settings (param offload, ZeRO++); ``config``: top-level ones.
@@ -52,11 +53,12 @@ def _scenario(sid, kind, stage, path="engine", zero_grad=False, policy="regather
     ``compile``: a torch.compile backend for ``engine.compile()``, run before ``install``.
     ``leaf``: the LayerNorm is a ZeRO-3 leaf module (``set_z3_leaf_modules``).
     ``generation``: each step begins with a forward in TRL's generation context (``_generate``).
-    ``dropped_forward``: the first step begins with a forward whose graph is dropped unbackwarded."""
+    ``dropped_forward``: the first step begins with a forward whose graph is dropped unbackwarded.
+    ``forward``: "module", the engine's forward bypassed (``engine.module(x)``)."""
     return dict(id=sid, kind=kind, stage=stage, path=path, zero_grad=zero_grad, policy=policy, model=model,
                 persistence=persistence, schedule=schedule or [2] * STEPS, install=install, offload=offload,
                 gas=gas, zero_init=zero_init, zero=zero or {}, compile=compile, leaf=leaf, generation=generation,
-                config=config or {}, weights=weights, dropped_forward=dropped_forward)
+                config=config or {}, weights=weights, dropped_forward=dropped_forward, forward=forward)
 
 
 def _build_scenarios():
@@ -268,6 +270,12 @@ def _build_scenarios():
         out.append(_scenario(f"leaf-stage3-{policy}-{path}-{zg_ids[zero_grad]}", "steps", 3, path, zero_grad, policy,
                              leaf=True))
     out.append(_scenario("penalty-stage3-leaf-regather-engine", "penalty", 3, "engine", policy="regather", leaf=True))
+    # engine.backward divides the loss by GAS (installed 0.18.9 too, whose stock divides only at
+    # engine(...)'s outputs): a gradient penalty's double-backward path, a forward through the module.
+    for stage in (1, 2, 3):
+        out.append(_scenario(f"penalty-stage{stage}-gas2-engine", "penalty", stage, schedule=[1] * 4, gas=2))
+        out.append(_scenario(f"two-stage{stage}-module_forward-gas2-engine", "steps", stage, schedule=[2, 1, 2, 2],
+                             gas=2, forward="module"))
     # TRL's generation context before every step (GRPO, PPO): DeepSpeed's module hooks are
     # removed and registered anew behind ours, on every rank.
     if _has_trl():
@@ -522,17 +530,18 @@ def _engine_step(engine, sc, step, backwards, rank):
         _generate(engine, x)
     if sc.get("dropped_forward") and step == 0:
         engine(x)  # a skipped batch: its graph goes unbackwarded
+    forward = engine.module if sc["forward"] == "module" else engine
     if sc["kind"] == "penalty":
-        loss = _penalty_loss(engine, x)
+        loss = _penalty_loss(forward, x)
         compiled = graph_has_compiled_code(loss)
         engine.backward(loss) if sc["path"] == "engine" else loss.backward()
     elif backwards == 1:
-        out = engine(x)
+        out = forward(x)
         compiled = graph_has_compiled_code(out)
         loss = losses(out)[0]
         engine.backward(loss) if sc["path"] == "engine" else loss.backward()
     else:
-        out = engine(x)
+        out = forward(x)
         compiled = graph_has_compiled_code(out)
         two_backwards(engine, out, sc["path"], sc["zero_grad"])
     # hpZ keeps a secondary shard from the forward until the step: count them before it goes.
@@ -579,7 +588,7 @@ def _allreduce_step(model, opt, sc, step, backwards, rank):
     from harness import losses
     x = _shard(sc["model"], step, rank)
     if sc["kind"] == "penalty":
-        _penalty_loss(model, x).backward()
+        (_penalty_loss(model, x) / sc["gas"]).backward()
     elif backwards == 1:
         (losses(model(x))[0] / sc["gas"]).backward()
     else:
