@@ -530,7 +530,7 @@ def _engine_step(engine, sc, step, backwards, rank):
         _generate(engine, x)
     if sc.get("dropped_forward") and step == 0:
         engine(x)  # a skipped batch: its graph goes unbackwarded
-    forward = engine.module if sc["forward"] == "module" else engine
+    forward = engine.module if sc.get("forward") == "module" else engine  # scenarios of other kinds lack it
     if sc["kind"] == "penalty":
         loss = _penalty_loss(forward, x)
         compiled = graph_has_compiled_code(loss)
