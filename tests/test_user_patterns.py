@@ -6,6 +6,7 @@ reach"); they passed installed and are kept so that they stay so.
 
 import contextlib
 import copy
+import warnings
 
 import deepspeed
 import pytest
@@ -14,7 +15,7 @@ import torch
 import zero_lifetime
 from harness import (DS_VERSION, TORCH_FP32_RTOL, TORCH_STYLE_BACKWARD, AdaptersInsideCheckpoints, MLPNorm,
                      SelectivelyCheckpointed, assert_weights_match, backward_both, backward_by, losses, make_input,
-                     make_pair, released_state, ds_config)
+                     make_pair, released_state, ds_config, full_weights)
 
 SMALL_LR = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
 needs_torch_style = pytest.mark.skipif(not TORCH_STYLE_BACKWARD,
@@ -760,6 +761,45 @@ def _train_embedding_head(stage, kind, install=True):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     _two_losses_per_micro_step(engine, reference, ref_opt, lambda g: (torch.randint(0, 11, (4, 5), generator=g),), 1)
     return engine, reference
+
+
+def _embedding_with_max_norm(stage, frozen=False):
+    """A ZeRO engine of an embedding with ``max_norm=1.0`` (and a head), its torch twin."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8, max_norm=1.0), torch.nn.Flatten(), torch.nn.Linear(40, 3))
+    model[0].weight.requires_grad_(not frozen)
+    reference = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=0.5),
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    return engine, reference
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_embedding_with_max_norm_warns_at_install(stage):
+    """What the warning says holds (stock DeepSpeed; docs/upstream.md, entry 19): after a step
+    the looked-up rows are back above max_norm under ZeRO, at most max_norm in torch."""
+    engine, reference = _embedding_with_max_norm(stage)
+    with pytest.warns(RuntimeWarning, match=rf"ZeRO stage {stage} loses the renormalization of '0' \(Embedding, max_norm=1.0\)"):
+        zero_lifetime.install(engine)
+    tokens = torch.arange(10).reshape(2, 5)
+    engine.backward(engine(tokens).pow(2).sum())
+    engine.step()
+    reference(tokens).pow(2).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    rows, torch_rows = full_weights(engine)[0][:10].norm(dim=1), reference[0].weight[:10].detach().norm(dim=1)
+    assert torch_rows.max() < 1.1  # renormalized to 1, then one step
+    assert rows.max() > 2  # from torch.randn(8): never renormalized
+
+
+@pytest.mark.parametrize("stage, frozen, warns", [(1, True, False), (2, True, False), (3, True, True)])
+def test_a_frozen_embedding_with_max_norm_warns_on_zero3_only(stage, frozen, warns):
+    """ZeRO-1/2 leave a frozen weight out of their flat buffers (its renormalization stays);
+    ZeRO-3 partitions it too (the gathered copy it renormalized is dropped)."""
+    engine, _ = _embedding_with_max_norm(stage, frozen=frozen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero_lifetime.install(engine)
+    assert any("max_norm" in str(w.message) for w in caught) == warns, [str(w.message) for w in caught]
 
 
 class SelectivelyCheckpointedLosses(SelectivelyCheckpointed):

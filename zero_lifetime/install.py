@@ -16,6 +16,7 @@ from .adapters.patching import Patches
 from .adapters.grad_window import gradients_left_for_step, zero3_gradients_wait_for_step
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
+from .embedding_max_norm import warn_if_renormalizing_embeddings
 from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hint_if_stale_graph,
                                            step_called_by_accelerate_backward)
 from .reporting import StatsReporter, get_logger
@@ -809,7 +810,8 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
             warnings.warn(f"{exc} Continuing without zero_lifetime.", RuntimeWarning, stacklevel=2)
             return None
         object.__setattr__(engine, _ATTR, installation)
-        return installation
+    warn_if_renormalizing_embeddings(engine.module, int(engine.zero_optimization_stage()))
+    return installation
 
 
 def uninstall(engine) -> bool:
