@@ -17,10 +17,10 @@ _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 def renormalizing_embeddings(model, zero_stage: int) -> list:
     """The embeddings whose renormalization ZeRO loses, described: those with ``max_norm`` whose
-    weight the optimizer updates, and on ZeRO-3 (which partitions frozen weights too) all."""
+    weight the optimizer updates. (A frozen one keeps it on 1 rank, every stage: ZeRO-1/2 leave
+    it out of their buffers, and ZeRO-3's gathered copy is its partition there.)"""
     return [f"'{name}' ({type(module).__name__}, max_norm={module.max_norm})" for name, module in model.named_modules()
-            if isinstance(module, _EMBEDDINGS) and module.max_norm is not None
-            and (module.weight.requires_grad or zero_stage == 3)]
+            if isinstance(module, _EMBEDDINGS) and module.max_norm is not None and module.weight.requires_grad]
 
 
 def warn_if_renormalizing_embeddings(model, zero_stage: int) -> None:
