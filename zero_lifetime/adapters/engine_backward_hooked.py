@@ -48,26 +48,31 @@ class HookedEngineBackward(EngineBackwardBase):
         require(probe, "preprocess_per_tensor_fn", "the output-hook per-tensor gradient scaling")
         require(probe, "hook_handles", "the output-hook handles")
 
-    def engine_backward(self, original, loss, retain_graph=False, scale_wrt_gas=True):
+    def engine_backward(self, original, loss, *args, **kwargs):
         """0.19.8's engine.backward divides the loss by gradient_accumulation_steps. 0.18.9's
         leaves that to the hooks engine.forward puts on its outputs, so over a forward that
         bypassed it (``engine.module(x)``, ``torch.func.functional_call``, a method of the
-        model) nothing was divided: GAS times torch's gradient, silently. Here 0.18.9 divides
-        the loss as 0.19.8 does, with every installed engine's output hooks standing aside.
-        0.18.9 also keeps the last call's ``scale_wrt_gas`` for later plain backwards (one
-        ``scale_wrt_gas=False``, as the transformers Trainer passes, and a later
-        ``loss.backward()`` went undivided): reset to the default after each call."""
+        model) nothing was divided: GAS times torch's gradient, silently; so was a gradient
+        penalty's double-backward path. Here 0.18.9 divides the loss as 0.19.8 does."""
         if self._engine_graphs is not None:
-            return original(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            return original(loss, *args, **kwargs)
+        return self._engine_backward_dividing_the_loss(original, loss, *args, **kwargs)
+
+    def _engine_backward_dividing_the_loss(self, original, loss, retain_graph=False, scale_wrt_gas=True):
+        """Every installed engine's output hooks stand aside while it runs. 0.18.9 also keeps
+        the last call's ``scale_wrt_gas`` for later plain backwards (after one
+        ``scale_wrt_gas=False``, as the transformers Trainer passes, a later ``loss.backward()``
+        went undivided): reset to the default after each call."""
         global _divided_loss_backwards
+        gas = self.engine.gradient_accumulation_steps()
         try:
-            if not scale_wrt_gas:
-                return original(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+            if not scale_wrt_gas or gas == 1:
+                return original(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
             _divided_loss_backwards += 1
             try:
-                divided = loss / self.engine.gradient_accumulation_steps()
-                # Returns the loss it was given when told not to scale: the divided one, as stock returns.
-                return original(divided, retain_graph=retain_graph, scale_wrt_gas=False)
+                # Told not to scale, stock returns the loss it was given: the divided one, as it
+                # returns when it scales.
+                return original(loss / gas, retain_graph=retain_graph, scale_wrt_gas=False)
             finally:
                 _divided_loss_backwards -= 1
         finally:
