@@ -15,16 +15,17 @@ import torch
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
-def renormalizing_embeddings(model, zero_stage: int) -> list:
+def renormalizing_embeddings(model) -> list:
     """The embeddings whose renormalization ZeRO loses, described: those with ``max_norm`` whose
     weight the optimizer updates. (A frozen one keeps it on 1 rank, every stage: ZeRO-1/2 leave
-    it out of their buffers, and ZeRO-3's gathered copy is its partition there.)"""
+    it out of their buffers, and ZeRO-3 does not gather there. On more ranks ZeRO-3 gathers it
+    into a new buffer and likely loses it too: not measured, not warned.)"""
     return [f"'{name}' ({type(module).__name__}, max_norm={module.max_norm})" for name, module in model.named_modules()
             if isinstance(module, _EMBEDDINGS) and module.max_norm is not None and module.weight.requires_grad]
 
 
 def warn_if_renormalizing_embeddings(model, zero_stage: int) -> None:
-    described = renormalizing_embeddings(model, zero_stage)
+    described = renormalizing_embeddings(model)
     if described:
         warnings.warn(
             f"zero_lifetime: ZeRO stage {zero_stage} loses the renormalization of {', '.join(described)}: "
