@@ -17,10 +17,12 @@ from harness import (DS_VERSION, assert_weights_match, losses, make_input, make_
                      two_backwards_step_like_torch)
 
 
-
-def _through_functional_call(module):
-    """torch.func.functional_call with the module's own params: another forward that
-    bypasses engine.forward."""
+def _bypassing_forward(engine, through):
+    """A forward that bypasses engine.forward: the module itself, or torch.func.functional_call
+    with the module's own params."""
+    module = engine.module
+    if through == "module":
+        return module
     return lambda x: torch.func.functional_call(module, dict(module.named_parameters()), (x,))
 
 
@@ -67,7 +69,7 @@ def test_forward_through_the_module_trains_like_torch(stage, backwards, gas, off
 def test_functional_call_trains_like_torch(stage, backwards):
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
     zero_lifetime.install(engine)
-    _steps(engine, reference, ref_opt, stage, 2, backwards, forward=_through_functional_call(engine.module))
+    _steps(engine, reference, ref_opt, stage, 2, backwards, forward=_bypassing_forward(engine, "functional_call"))
 
 
 @pytest.mark.skipif(DS_VERSION != "0.18.9", reason="0.19.8 and 0.17.6 divide the loss in engine.backward")
@@ -77,13 +79,12 @@ def test_stock_0_18_9_engine_backward_over_such_a_forward_divides_nothing(stage,
     """Why installed 0.18.9 divides the loss itself: stock trains on GAS times torch's
     gradient there, without an error. (ZeRO-3 stock overwrites micro steps: test above.)"""
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
-    forward = engine.module if through == "module" else _through_functional_call(engine.module)
     with pytest.raises(AssertionError, match="l1.weight"):
-        _steps(engine, reference, ref_opt, stage, 2, backwards=1, steps=1, forward=forward)
+        _steps(engine, reference, ref_opt, stage, 2, backwards=1, steps=1, forward=_bypassing_forward(engine, through))
     # Against torch's undivided loss it matches: the whole difference is the missing division.
     engine, reference, ref_opt = make_pair("mlp_norm", stage, gas=2)
-    forward = engine.module if through == "module" else _through_functional_call(engine.module)
-    _steps(engine, reference, ref_opt, stage, 2, backwards=1, steps=1, forward=forward, divided=False)
+    _steps(engine, reference, ref_opt, stage, 2, backwards=1, steps=1, forward=_bypassing_forward(engine, through),
+           divided=False)
 
 
 @pytest.mark.skipif(DS_VERSION == "0.17.6", reason="0.17.6 advances ZeRO-3's micro step in its epilogue, "

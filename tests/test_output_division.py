@@ -196,6 +196,7 @@ def _unscaled_engine_backward_then_plain(engine, loss, window):
     else:
         loss.backward()
 
+
 @pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="this DeepSpeed has no plain loss.backward() path")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_plain_backward_after_an_unscaled_engine_backward_is_divided(stage):
