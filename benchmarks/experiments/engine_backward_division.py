@@ -8,7 +8,8 @@ from torch, or the error:
 
 - "module": ``engine.backward(loss)`` over ``engine.module(x)``;
 - "functional_call": the same over ``torch.func.functional_call(engine.module, params, (x,))``;
-- "penalty": ``engine.backward(loss + gradient penalty)`` over ``engine(x)``;
+- "penalty": ``engine.backward(loss + gradient penalty)`` over ``engine(x)``, the penalty loss of
+  tests/test_retain_graph.py (``test_gradient_penalty_with_gradient_accumulation``);
 - "plain_after_unscaled": a window of ``engine.backward(loss / 2, scale_wrt_gas=False)`` (the
   transformers Trainer's call), then one of plain ``loss.backward()`` over ``engine(x)``
   (0.17.6 has no plain backward: skipped).
@@ -30,30 +31,24 @@ GAS = 2
 CASES = ("module", "functional_call", "penalty", "plain_after_unscaled")
 
 
-def _penalty(forward, x):
-    x = x.clone().requires_grad_(True)
-    first, second = _losses(forward(x))
-    inner, = torch.autograd.grad(first, x, create_graph=True)
-    return first + second + inner.pow(2).sum()
-
-
-def _losses(out):
+def _loss(case, forward, x):
+    """The case's loss over ``forward`` (the engine, or the torch reference)."""
     from harness import losses
-    return losses(out)
+    from test_retain_graph import _penalty_loss
+    return _penalty_loss(forward, x) if case == "penalty" else sum(losses(forward(x)))
 
 
 def _micro_step(engine, case, window, x):
-    if case == "module":
-        engine.backward(sum(_losses(engine.module(x))))
-    elif case == "functional_call":
-        params = dict(engine.module.named_parameters())
-        engine.backward(sum(_losses(torch.func.functional_call(engine.module, params, (x,)))))
-    elif case == "penalty":
-        engine.backward(_penalty(engine, x))
+    module = engine.module
+    forward = {"module": module,
+               "functional_call": lambda x: torch.func.functional_call(module, dict(module.named_parameters()), (x,))}
+    loss = _loss(case, forward.get(case, engine), x)
+    if case != "plain_after_unscaled":
+        engine.backward(loss)
     elif window == 0:
-        engine.backward(sum(_losses(engine(x))) / GAS, scale_wrt_gas=False)
+        engine.backward(loss / GAS, scale_wrt_gas=False)
     else:
-        sum(_losses(engine(x))).backward()
+        loss.backward()
 
 
 def _train(case, stage, install):
@@ -68,8 +63,7 @@ def _train(case, stage, install):
             x = make_input("mlp_norm", 10 * window + micro)
             _micro_step(engine, case, window, x)
             engine.step()
-            loss = _penalty(reference, x) if case == "penalty" else sum(_losses(reference(x)))
-            (loss / GAS).backward()
+            (_loss(case, reference, x) / GAS).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     return max((got - want.detach()).abs().max().item() for got, want in zip(full_weights(engine), reference.parameters()))
