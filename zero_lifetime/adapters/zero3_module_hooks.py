@@ -10,6 +10,7 @@ so the new ones then run after every hook registered at install.
 
 from .errors import require, unrecognised
 from .patching import Patches
+from .zero3_params import parameter_offload
 
 _HOOK_LISTS = ("forward_hooks", "backward_hooks")
 # What DeepSpeed's forward hooks of a module call on the offload manager: gather its params
@@ -22,7 +23,7 @@ class DeepSpeedModuleHooks:
     registered again since the previous call (or since install)."""
 
     def __init__(self, engine):
-        self._offload = require(engine.optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
+        self._offload = parameter_offload(engine)
         for name in _HOOK_LISTS:
             if not isinstance(require(self._offload, name, "ZeRO-3's module hook handles"), list):
                 raise unrecognised(f"ZeRO-3's module hook handles (`parameter_offload.{name}`) are no longer a list")

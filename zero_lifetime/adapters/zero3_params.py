@@ -24,6 +24,16 @@ _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _INFLIGHT = "_PartitionedParameterCoordinator__inflight_param_registry"
 
 
+def parameter_offload(engine):
+    """ZeRO-3's parameter offload manager (module hooks, param coordinator): the ZeRO-3
+    optimizer's ``parameter_offload``, or the engine's optimizer itself where the engine was
+    built without an optimizer (DeepSpeed then runs only the manager, DeepSpeedZeRoOffload)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    if isinstance(engine.optimizer, DeepSpeedZeRoOffload):
+        return engine.optimizer
+    return require(engine.optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
+
+
 def full_numel(param) -> int:
     """The param's size on any stage: a released ZeRO-3 param's .numel() is 0 whatever its size."""
     return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
@@ -36,8 +46,7 @@ class Zero3Params:
     INFLIGHT = ZeroParamStatus.INFLIGHT
 
     def __init__(self, engine):
-        optimizer = engine.optimizer
-        self._offload = require(optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
+        self._offload = parameter_offload(engine)
         coordinator = self.coordinator()
         require(type(coordinator), _RELEASE, "the coordinator's single-param release")
         require(coordinator, _INFLIGHT, "the coordinator's in-flight param registry")

@@ -14,6 +14,7 @@ makes its decisions those of that trace.
 import torch
 
 from .errors import require, unrecognised
+from .zero3_params import parameter_offload
 
 _PARAMS_TO_RELEASE = "_PartitionedParameterCoordinator__params_to_release"
 
@@ -34,8 +35,7 @@ class ReleaseDecisionsFollowTrace:
     trace being recorded): when a trace is about to complete, drop the cached decisions."""
 
     def __init__(self, engine):
-        offload = require(engine.optimizer, "parameter_offload", "the ZeRO-3 parameter offload manager")
-        self._coordinator = require(offload, "get_param_coordinator", "the param coordinator accessor")
+        self._coordinator = require(parameter_offload(engine), "get_param_coordinator", "the param coordinator accessor")
         coordinator = self._coordinator()
         self._is_recording = require(type(coordinator), "is_record_trace", "the coordinator's trace mode")
         self._cache = _release_decision_cache(type(coordinator))
