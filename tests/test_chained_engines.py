@@ -22,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import zero_lifetime
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.chained_engines import ChainedInputs, _where_the_gradient_goes
+from frozen_reward import policy_and_reward, reward_steps
 from harness import (BACKWARD_PATHS, DS_VERSION, TORCH_FP32_RTOL, TORCH_STYLE_BACKWARD, assert_moved,
                      assert_weights_match, backward_by, ds_config, full_weights, released_state)
 
@@ -416,23 +417,11 @@ def test_walk_agrees_with_autograd_on_random_graphs():
     assert seen == {(True, False), (True, True), (False, True)}  # every verdict was met
 
 
-
-def _frozen_reward_steps(policy_model, reward_model, backward, optimizer_step):
-    """Three steps of a policy trained through a frozen reward model (a differentiable reward,
-    ReFL/DRaFT-style): two retained backwards of one forward per step."""
-    for step in range(3):
-        reward = reward_model(policy_model(_batch(step)))
-        backward(-reward.mean(), retain_graph=True)
-        backward(0.1 * (reward - 1).pow(2).mean())
-        optimizer_step()
-
-
 class PolicyWithFrozenReward(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.policy, self.reward = _encoder_and_head()  # the head has a LayerNorm, which saves its weight
-        self.reward.requires_grad_(False)
+        self.policy, self.reward = policy_and_reward()  # the reward has a LayerNorm, which saves its weight
 
     def forward(self, x):
         return self.reward(self.policy(x))
@@ -441,8 +430,8 @@ class PolicyWithFrozenReward(torch.nn.Module):
 @pytest.mark.parametrize("policy", ["regather", "pin"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_frozen_reward_model_inside_the_trained_engine(stage, policy):
-    """The frozen reward model as a submodule of the trained engine's model (what install()'s
-    refusal of an optimizer-less engine advises): torch's weights, the reward's unchanged."""
+    """The frozen reward model as a submodule of the trained engine's model (in an engine of its
+    own without optimizer: tests/test_frozen_engine.py): torch's weights, the reward's unchanged."""
     model = PolicyWithFrozenReward()
     reference = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, lr=LR),
@@ -454,26 +443,8 @@ def test_frozen_reward_model_inside_the_trained_engine(stage, policy):
         optimizer.step()
         optimizer.zero_grad()
 
-    _frozen_reward_steps(engine, lambda out: out, engine.backward, engine.step)
-    _frozen_reward_steps(reference, lambda out: out, torch.Tensor.backward, torch_step)
+    reward_steps(engine, lambda out: out, engine.backward, engine.step)
+    reward_steps(reference, lambda out: out, torch.Tensor.backward, torch_step)
     # harness.full_weights takes the frozen params' own data: the reward's compared as well.
     # torch.testing's fp32 rtol, as this test had; the initial weights from the same seed.
     _assert_match_torch([engine], [reference], stage, initial=[PolicyWithFrozenReward()], rtol=TORCH_FP32_RTOL)
-
-
-def test_frozen_reward_model_in_an_engine_without_optimizer():
-    """In a ZeRO-3 engine of its own built without an optimizer, DeepSpeed releases the frozen
-    model's params after the first backward through it, and the second fails on its LayerNorm
-    (stock; the policy engine installed or not). install() refuses that engine and names the
-    way above."""
-    encoder, head = _encoder_and_head()
-    head.requires_grad_(False)
-    policy_engine = _engine(encoder, 3, 1, install=True)
-    reward_engine, *_ = deepspeed.initialize(model=head, config={
-        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
-    with pytest.raises(UnsupportedDeepSpeedError, match="make it a submodule of the model of the engine you train"):
-        zero_lifetime.install(reward_engine)
-    # Through its module: on 0.18.9 and 0.19.8 a backward through the engine's own outputs
-    # raises in DeepSpeed whatever happens after (an engine without a ZeRO optimizer).
-    with pytest.raises(RuntimeError, match="normalized_shape"):
-        _frozen_reward_steps(policy_engine, reward_engine.module, policy_engine.backward, policy_engine.step)

@@ -131,7 +131,6 @@ def _engine_with(stage: int, **config):
     # 0.17.6 spells DDP_BFLOAT16 like BFLOAT16, so its fp16 wrapper takes this case first.
     (1, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
      "FP16_UnfusedOptimizer" if DS_VERSION == "0.17.6" else "BF16_Optimizer", "or use ZeRO stage 2"),
-    (3, {"optimizer": None}, "DeepSpeedZeRoOffload", "give deepspeed.initialize an optimizer"),
 ])
 def test_engine_without_a_zero_optimizer_is_refused_with_the_reason(stage, config, runs, advice):
     """For these configurations DeepSpeed runs another optimizer under the same ZeRO stage:

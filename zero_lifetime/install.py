@@ -13,6 +13,7 @@ from .adapters.engine_boundary import boundary_set_by_hand
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .adapters.patching import Patches
+from .adapters.zero_optimizer import runs_without_optimizer
 from .adapters.grad_window import gradients_left_for_step, zero3_gradients_wait_for_step
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
@@ -40,6 +41,11 @@ DESTROYED_MESSAGE = ("zero_lifetime.install: this engine was destroyed (engine.d
                      "more; build a new one with deepspeed.initialize")
 SEMANTICS_NOTE = ("zero_lifetime: gradients now follow torch semantics: two backwards with zero_grad() "
                   "between them give the second loss's gradients; without it they give the sum.")
+
+
+def mark_destroyed(engine) -> None:
+    """Set by an installed engine's destroy(): install() refuses the engine from then on."""
+    object.__setattr__(engine, _DESTROYED, True)
 
 
 def _check_engine(engine):
@@ -450,7 +456,7 @@ class Installation:
             try:
                 return original(*args, **kwargs)
             finally:
-                object.__setattr__(engine, _DESTROYED, True)
+                mark_destroyed(engine)
                 if teardown is not None:  # ZeRO-3: what stock keeps of the engine after this
                     teardown.release(engine.module)
 
@@ -803,7 +809,11 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
         if existing is not None:
             return existing
         try:
-            installation = Installation(engine, policy, max_pinned_bytes, options["check_bucket_order"])
+            if runs_without_optimizer(engine):
+                from .frozen_engine import FrozenEngineInstallation
+                installation = FrozenEngineInstallation(engine, policy, max_pinned_bytes)
+            else:
+                installation = Installation(engine, policy, max_pinned_bytes, options["check_bucket_order"])
         except UnsupportedDeepSpeedError as exc:
             if strict:
                 raise

@@ -247,3 +247,31 @@ class OutputHooks:
         managers = getattr(tensor, _HOOK_MANAGERS_ATTR, None)
         if managers is not None:
             setattr(view, _HOOK_MANAGERS_ATTR, managers)
+
+
+class FrozenEngineOutputHooks:
+    """DeepSpeed's hooks on the forward outputs of an engine built without an optimizer (0.19.8
+    and 0.18.9 register them on every engine; 0.17.6 none). Their prologue raises in a plain
+    backward ("Direct calls to tensor.backward() are not supported", there being no ZeRO
+    optimizer), and they would divide the gradient by that engine's
+    gradient_accumulation_steps, which the trained engine's backward has divided already.
+    Such an engine computes a function of its input: removed, nothing of DeepSpeed's backward
+    runs at its outputs."""
+
+    def __init__(self, engine):
+        self._hooked = hasattr(engine, "_backward_prologue_per_tensor")  # 0.18.9 and 0.19.8
+        if self._hooked:
+            from deepspeed.runtime.utils import OutputBackwardHookManager
+            require(OutputBackwardHookManager(lambda: None), "hook_handles", "the output-hook handles")
+
+    def remove(self, outputs) -> int:
+        """Remove DeepSpeed's hooks from ``outputs`` (one forward's tensors); how many."""
+        if not self._hooked:
+            return 0
+        removed = 0
+        for manager in HookedEngineBackward.output_hook_managers(outputs):
+            for handle in manager.hook_handles:
+                handle.remove()
+                removed += 1
+            manager.hook_handles.clear()
+        return removed

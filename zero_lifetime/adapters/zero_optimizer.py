@@ -17,13 +17,6 @@ _BF16_WITH_FP32_ACCUMULATION = (
     "ZeRO optimizer",
     'drop grad_accum_dtype "fp32" (gradients then accumulate in bf16, DeepSpeed\'s default) or use '
     "ZeRO stage 2, which accumulates in fp32 with it")
-_ZERO3_WITHOUT_OPTIMIZER = (
-    "a ZeRO-3 engine built without an optimizer only partitions its params and reduces no gradients",
-    'give deepspeed.initialize an optimizer (an "optimizer" section in the config, or optimizer=). '
-    "For a frozen model that gradients flow through in more than one backward of a forward (a "
-    "reward or reference model), make it a submodule of the model of the engine you train and "
-    "install, with requires_grad False: the params it saves are then kept or gathered again for "
-    "every backward (in an engine of its own, DeepSpeed releases them after the first)")
 
 
 def _zero_optimizer_class(stage: int):
@@ -38,9 +31,17 @@ def _why_another_optimizer(engine, stage: int, found: str):
     # Public engine methods on both releases; the config, not the class, tells this case.
     if stage == 1 and engine.bfloat16_enabled() and engine.get_data_types()[1] == torch.float32:
         return _BF16_WITH_FP32_ACCUMULATION
-    if stage == 3 and found == "DeepSpeedZeRoOffload":
-        return _ZERO3_WITHOUT_OPTIMIZER
     return f"this engine runs {found}", "build it with DeepSpeed's ZeRO optimizer"
+
+
+def runs_without_optimizer(engine) -> bool:
+    """A ZeRO-3 engine built without an optimizer: DeepSpeed runs only its parameter offload
+    manager (DeepSpeedZeRoOffload, 0.17.6 to 0.19.8), which partitions the params and reduces
+    no gradients. install() gives it the lifetime tracker alone (``frozen_engine``)."""
+    if int(engine.zero_optimization_stage()) != 3:
+        return False
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    return isinstance(getattr(engine, "optimizer", None), DeepSpeedZeRoOffload)
 
 
 def require_zero_optimizer(engine, stage: int) -> None:

@@ -1,0 +1,170 @@
+"""install() on a ZeRO-3 engine built without an optimizer: the lifetime tracker alone.
+
+Such an engine (``deepspeed.initialize(model=m, config=...)`` with no optimizer, as TRL and
+DeepSpeed-Chat build reward and reference models) only partitions its params: DeepSpeed runs
+its parameter offload manager and no ZeRO optimizer, so there are no gradients to reduce or
+buckets to fill. Gradients may still flow through it to the model that is trained (a
+differentiable reward, a perceptual loss, a frozen discriminator): two backwards over one
+forward then failed on the second (``Expected weight to be of same shape as normalized_shape,
+but got weight of shape [0]``), DeepSpeed having released the params that its layers saved.
+
+Here the engine's forward (``engine(x)``, or ``engine.module(x)`` and methods of the model)
+runs under the tracker's saved-tensor hooks, and each backward through its outputs sets back
+DeepSpeed's per-module counters and releases what it gathered again, as for a trained engine
+(``Zero3Lifetime``). DeepSpeed's hooks on its forward outputs are removed: they would run a
+backward prologue that raises without an optimizer, and divide the gradient by this engine's
+gradient_accumulation_steps, which the trained engine's backward divides already.
+"""
+
+import torch
+
+from .backward_scope import BackwardScope
+from .reporting import get_logger
+from .tensor_containers import tensors_in
+
+logger = get_logger()
+
+
+class FrozenEngineInstallation:
+    """What install() patched on one ZeRO-3 engine without an optimizer."""
+
+    stage = 3
+
+    def __init__(self, engine, policy: str, max_pinned_bytes: int):
+        from .adapters.deepcompile import require_no_deepcompile
+        from .adapters.engine_backward_hooked import FrozenEngineOutputHooks
+        from .adapters.errors import require_supported_version
+        from .adapters.patching import Patches
+
+        require_supported_version()
+        require_no_deepcompile(engine)
+        self.engine = engine
+        self.policy = policy
+        self.max_pinned_bytes = max_pinned_bytes
+        self._output_hooks = FrozenEngineOutputHooks(engine)
+        self._patches = Patches()
+        self._failed_backwards = 0
+        self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
+        self.tracker = self.lifetime = self.trace = self.teardown = self.module_hooks = None
+        try:
+            self._install_components(engine, policy, max_pinned_bytes)
+        except BaseException:
+            self.restore()  # never leave an engine half-patched
+            raise
+
+    def _install_components(self, engine, policy, max_pinned_bytes) -> None:
+        from .adapters.zero3_module_hooks import DeepSpeedModuleHooks
+        from .adapters.zero3_teardown import DestroyedEngineRelease
+        from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
+        from .hooks_after_deepspeed import HooksAfterDeepSpeed
+        from .selective_checkpoint import keep_module_hooks_outside
+        from .tracker import make_tracker
+        from .zero3_lifetime import Zero3Lifetime
+
+        deepspeed_module_hooks = DeepSpeedModuleHooks(engine)
+        self.module_hooks = HooksAfterDeepSpeed(engine.module, deepspeed_module_hooks)
+        selective_checkpoint_patches = keep_module_hooks_outside(deepspeed_module_hooks)
+        if selective_checkpoint_patches is not None:
+            self._patches.keep(selective_checkpoint_patches)
+        self.tracker = make_tracker(policy, max_pinned_bytes)
+        self.lifetime = Zero3Lifetime(engine, self.tracker, self.module_hooks)
+        self.trace = ReleaseDecisionsFollowTrace(engine)
+        self.teardown = DestroyedEngineRelease(self.trace)
+        # Bookkeeping with side effects: never traced under engine.compile().
+        self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
+        self._patches.apply(engine, "forward", self._forward)
+        self._patches.apply(engine, "destroy", self._destroy)
+
+    def restore(self) -> None:
+        """Undo everything installed, in reverse order; safe on a partial install."""
+        self._patches.undo()
+        if self.module_hooks is not None:
+            self.module_hooks.remove()
+        if self.trace is not None:
+            self.trace.remove()
+        if self.lifetime is not None:
+            self.lifetime.release_everything_held()
+            self.lifetime.remove_hooks()
+        if self.tracker is not None:
+            self.tracker.unregister_all()
+
+    # ---- engine method wrappers ----------------------------------------------------------
+
+    def _forward(self, original):
+
+        def forward(*args, **kwargs):
+            self.recover_if_backward_died()
+            self.module_hooks.keep_after_deepspeeds()  # before the root's hooks run
+            self.lifetime.begin(forward=True)
+            try:
+                with self.lifetime.saved_tensors_hooks():
+                    output = original(*args, **kwargs)
+            finally:
+                self.lifetime.end()
+            self._output_hooks.remove(list(tensors_in(output)))
+            return output
+
+        return forward
+
+    def _destroy(self, original):
+
+        def destroy(*args, **kwargs):
+            from .install import mark_destroyed, uninstall
+            engine, teardown = self.engine, self.teardown
+            uninstall(engine)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                mark_destroyed(engine)
+                teardown.release(engine.module)
+
+        return destroy
+
+    # ---- backward detection ----------------------------------------------------------------
+
+    def _on_root_forward(self, module, inputs, output):
+        self.lifetime.after_forward()
+        for tensor in tensors_in(output):
+            if tensor.grad_fn is not None:
+                tensor.register_hook(self._on_output_grad)
+        return None
+
+    def _on_output_grad(self, grad):
+        if not self.scope.open:
+            self.scope.enter()
+        return None
+
+    def _on_backward_start(self) -> None:
+        self.lifetime.replace_inference_placeholders()
+        self.lifetime.rearm_if_another_backward()
+        self.lifetime.begin()
+
+    def _on_backward_end(self) -> None:
+        self.lifetime.end_of_backward()
+        self.lifetime.release_modules_left_in_backward()
+        self.lifetime.end()
+
+    def _on_backward_died(self) -> None:
+        self.recover_if_backward_died()
+
+    def recover_if_backward_died(self) -> None:
+        """An exception inside a backward skips its end callback: clean up as torch drops its
+        task, or else at the next forward."""
+        if not self.scope.abandon():
+            return
+        self._failed_backwards += 1
+        self.lifetime.release_everything_held()
+        self.lifetime.release_backward_leftovers()
+        logger.warning("zero_lifetime: a backward ended with an exception; released what it held")
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        self.lifetime.drain_deferred_if_idle()
+        result = {"stage": self.stage, "policy": self.policy, "without_optimizer": True,
+                  "failed_backwards": self._failed_backwards}
+        result.update(self.tracker.stats())
+        result["regathers"] += self.lifetime.accumulate_regathers
+        result.update(self.lifetime.counts())
+        result["traces_recorded"] = self.trace.traces_recorded
+        return result
