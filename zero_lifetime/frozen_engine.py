@@ -95,30 +95,15 @@ class FrozenEngineInstallation:
         def forward(*args, **kwargs):
             self.recover_if_backward_died()
             self.module_hooks.keep_after_deepspeeds()  # before the root's hooks run
-            self.lifetime.begin(forward=True)
-            try:
-                with self.lifetime.saved_tensors_hooks():
-                    output = original(*args, **kwargs)
-            finally:
-                self.lifetime.end()
+            output = self.lifetime.run_forward(original, *args, **kwargs)
             self._output_hooks.remove(list(tensors_in(output)))
             return output
 
         return forward
 
     def _destroy(self, original):
-
-        def destroy(*args, **kwargs):
-            from .install import mark_destroyed, uninstall
-            engine, teardown = self.engine, self.teardown
-            uninstall(engine)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                mark_destroyed(engine)
-                teardown.release(engine.module)
-
-        return destroy
+        from .install import destroy_uninstalling  # install imports this module
+        return destroy_uninstalling(self.engine, self.teardown, original)
 
     # ---- backward detection ----------------------------------------------------------------
 
@@ -160,11 +145,8 @@ class FrozenEngineInstallation:
     # ---- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        self.lifetime.drain_deferred_if_idle()
         result = {"stage": self.stage, "policy": self.policy, "without_optimizer": True,
                   "failed_backwards": self._failed_backwards}
-        result.update(self.tracker.stats())
-        result["regathers"] += self.lifetime.accumulate_regathers
-        result.update(self.lifetime.counts())
+        result.update(self.lifetime.stats())
         result["traces_recorded"] = self.trace.traces_recorded
         return result

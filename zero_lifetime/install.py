@@ -48,6 +48,23 @@ def mark_destroyed(engine) -> None:
     object.__setattr__(engine, _DESTROYED, True)
 
 
+def destroy_uninstalling(engine, teardown, original):
+    """An installed engine's destroy(): release what we hold and unpatch before DeepSpeed tears
+    its optimizer down (``original``), then refuse the engine from then on. ``teardown`` (ZeRO-3)
+    releases what stock keeps of the engine after it."""
+
+    def destroy(*args, **kwargs):
+        uninstall(engine)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mark_destroyed(engine)
+            if teardown is not None:
+                teardown.release(engine.module)
+
+    return destroy
+
+
 def _check_engine(engine):
     try:
         from deepspeed.runtime.engine import DeepSpeedEngine
@@ -281,12 +298,7 @@ class Installation:
                 if self.lifetime is None:
                     output = original(*args, **kwargs)
                 else:
-                    self.lifetime.begin(forward=True)
-                    try:
-                        with self.lifetime.saved_tensors_hooks():
-                            output = original(*args, **kwargs)
-                    finally:
-                        self.lifetime.end()
+                    output = self.lifetime.run_forward(original, *args, **kwargs)
             # DeepSpeed attached its output hook managers inside the original forward.
             tensors = list(tensors_in(output))
             managers = self.backward.output_hook_managers(tensors)
@@ -448,19 +460,7 @@ class Installation:
                 torch.autograd.graph.increment_version(param)
 
     def _destroy(self, original):
-
-        def destroy(*args, **kwargs):
-            # Release what we hold and unpatch before DeepSpeed tears its optimizer down.
-            engine, teardown = self.engine, self.teardown
-            uninstall(engine)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                mark_destroyed(engine)
-                if teardown is not None:  # ZeRO-3: what stock keeps of the engine after this
-                    teardown.release(engine.module)
-
-        return destroy
+        return destroy_uninstalling(self.engine, self.teardown, original)
 
     def _scale(self, original):
 
@@ -711,10 +711,7 @@ class Installation:
         if self.fused is not None:
             result.update(self.fused.counts)
         if self.lifetime is not None:
-            self.lifetime.drain_deferred_if_idle()
-            result.update(self.tracker.stats())
-            result["regathers"] += self.lifetime.accumulate_regathers
-            result.update(self.lifetime.counts())
+            result.update(self.lifetime.stats())
             result["traces_recorded"] = self.trace.traces_recorded
         return result
 

@@ -96,6 +96,15 @@ class Zero3Lifetime:
             return torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
         return torch.autograd.graph.saved_tensors_hooks(*chained_with(self.tracker, outer))
 
+    def run_forward(self, forward, *args, **kwargs):
+        """``forward(*args, **kwargs)``, the engine's, under the tracker's saved-tensor hooks."""
+        self.begin(forward=True)
+        try:
+            with self.saved_tensors_hooks():
+                return forward(*args, **kwargs)
+        finally:
+            self.end()
+
     def _note_gathered_hook(self, params):
         note_gathered_all = self.tracker.note_gathered_all
 
@@ -258,6 +267,14 @@ class Zero3Lifetime:
             self._pinned_stay.undo()
         for param in self.params.values():
             Zero3Params.unpin(param)
+
+    def stats(self) -> dict:
+        """The tracker's stats and ours, after the releases that waited (``stats()``)."""
+        self.drain_deferred_if_idle()
+        result = dict(self.tracker.stats())
+        result["regathers"] += self.accumulate_regathers
+        result.update(self.counts())
+        return result
 
     def counts(self) -> dict:
         gathered = [p for p in self.params.values() if p.ds_status == Zero3Params.AVAILABLE and not p.ds_persist]
