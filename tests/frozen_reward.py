@@ -44,11 +44,14 @@ def reward_steps(policy, reward, backward, optimizer_step, steps=3, rank=0, forw
         optimizer_step()
 
 
-def engine_without_optimizer(model, gas=1, **zero):
-    """A ZeRO-3 engine over ``model`` with no optimizer (DeepSpeed then only partitions its
-    params), as TRL and DeepSpeed-Chat build reward and reference models."""
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": gas,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+def engine_without_optimizer(model, gas=1, stage=3, bf16=False):
+    """An engine over ``model`` with no optimizer, as TRL and DeepSpeed-Chat build reward and
+    reference models: ZeRO-3 (DeepSpeed then only partitions its params) or stage 0 (TRL's
+    choice beside a ZeRO-1/2 model). ``bf16``: DeepSpeed's bf16 mode (pass a bf16 model)."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": gas, "zero_optimization": zero}
+    if bf16:
+        config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, config=config)
     return engine
 

@@ -187,6 +187,59 @@ def test_gradient_penalty_through_a_frozen_engine(forward, policy):
     assert released_state(reward_engine) == ([], [])
 
 
+def _train_through_stage0_engine(stage, dtype, gas, path="engine", install=True):
+    """The reward in a stage-0 engine without optimizer (bf16: DeepSpeed's bf16 mode, the reward
+    fed the policy's output in bf16), the policy on ZeRO ``stage``: (policy engine, torch copy)."""
+    import deepspeed
+    policy_model, reward_model = policy_and_reward()
+    reward_model.to(dtype)
+    policy_copy, reward_copy = copy.deepcopy(policy_model), copy.deepcopy(reward_model)
+    policy_engine, *_ = deepspeed.initialize(model=policy_model, config=ds_config(stage, lr=LR, gas=gas),
+                                             model_parameters=policy_model.parameters())
+    zero_lifetime.install(policy_engine)
+    reward_engine = engine_without_optimizer(reward_model, gas=gas, stage=0, bf16=dtype == torch.bfloat16)
+    if install:
+        assert zero_lifetime.install(reward_engine).stage == 0
+    reward_steps(policy_engine, lambda features: reward_engine(features.to(dtype)).float(),
+                 lambda loss, retain_graph=False: backward_by(policy_engine, loss, path, retain_graph),
+                 policy_engine.step, steps=WINDOWS * gas)
+    _torch_reference(policy_copy, lambda features: reward_copy(features.to(dtype)).float(), gas)
+    for got, want in zip(reward_engine.module.parameters(), reward_copy.parameters()):
+        assert torch.equal(got, want)
+    return policy_engine, policy_copy
+
+
+STAGE0_CASES = [(stage, dtype, gas, "engine") for stage in (1, 2) for dtype in ("fp32", "bf16") for gas in (1, 2)]
+if "manual" in BACKWARD_PATHS:
+    STAGE0_CASES += [(2, dtype, 2, "manual") for dtype in ("fp32", "bf16")]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("stage, dtype, gas, path", STAGE0_CASES)
+def test_stage0_frozen_engine_matches_torch(stage, dtype, gas, path):
+    """A stage-0 engine without optimizer (TRL's reward and reference models beside a ZeRO-1/2
+    model): through ``engine(x)``, torch's weights."""
+    policy_engine, policy_copy = _train_through_stage0_engine(stage, DTYPES[dtype], gas, path)
+    assert_weights_match(policy_engine, policy_copy)
+    assert zero_lifetime.stats(policy_engine)  # the trained engine's own installation ran
+
+
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="0.17.6 puts no hooks on the outputs: stock is right there")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_stock_stage0_frozen_engine_raises_or_divides(dtype):
+    """Negative control: stock 0.18.9 and 0.19.8 raise at the first backward through ``engine(x)``
+    in fp32, and in bf16 divide the gradient through it by its gradient_accumulation_steps (in a
+    plain loss.backward(); 0.19.8's engine.backward marks its graph, which every engine's output
+    hooks then leave undivided)."""
+    if dtype == "fp32":
+        with pytest.raises(RuntimeError, match="Direct calls to tensor.backward"):
+            _train_through_stage0_engine(2, torch.float32, 2, path="manual", install=False)
+        return
+    policy_engine, policy_copy = _train_through_stage0_engine(2, torch.bfloat16, 2, path="manual", install=False)
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        assert_weights_match(policy_engine, policy_copy)
+
+
 class Boom(Exception):
     pass
 

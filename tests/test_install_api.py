@@ -144,6 +144,18 @@ def test_engine_without_a_zero_optimizer_is_refused_with_the_reason(stage, confi
     assert _patched_methods(engine.optimizer) == before  # neither call patched the optimizer
 
 
+def test_stage0_engine_with_an_optimizer_is_refused_without_one_installed():
+    """Stage 0 trains through no ZeRO optimizer: refused. Built without an optimizer it is a
+    frozen model (tests/test_frozen_engine.py): installed."""
+    trained = _engine_with(0)
+    with pytest.raises(ValueError, match="supports ZeRO stages 1, 2 and 3; this engine runs stage 0 with an optimizer"):
+        zero_lifetime.install(trained)
+    assert "forward" not in trained.__dict__  # nothing patched
+    frozen = _engine_with(0, optimizer=None)
+    assert zero_lifetime.install(frozen).stats()["without_optimizer"]
+    assert "forward" in frozen.__dict__  # its forward removes DeepSpeed's output hooks
+
+
 def test_semantics_logged_once_at_install(caplog):
     engine, *_ = make_pair("mlp_norm", 2)
     # A child of DeepSpeed's logger, which does not propagate to the root: listen on it.

@@ -1,4 +1,4 @@
-"""install() on a ZeRO-3 engine built without an optimizer: the lifetime tracker alone.
+"""install() on an engine built without an optimizer (ZeRO-3 or stage 0): a frozen model.
 
 Such an engine (``deepspeed.initialize(model=m, config=...)`` with no optimizer, as TRL and
 DeepSpeed-Chat build reward and reference models) only partitions its params: DeepSpeed runs
@@ -14,6 +14,11 @@ DeepSpeed's per-module counters and releases what it gathered again, as for a tr
 (``Zero3Lifetime``). DeepSpeed's hooks on its forward outputs are removed: they would run a
 backward prologue that raises without an optimizer, and divide the gradient by this engine's
 gradient_accumulation_steps, which the trained engine's backward divides already.
+
+A stage-0 engine without optimizer (TRL builds its reward and reference models so when the
+trained model is on ZeRO-1/2) keeps its params whole: only those output hooks are removed. On
+0.18.9 and 0.19.8 a backward through its ``engine(x)`` raised stock in fp32, and in bf16
+(DeepSpeed's BF16_Optimizer over a dummy) went through divided by its gradient_accumulation_steps.
 """
 
 import torch
@@ -26,9 +31,7 @@ logger = get_logger()
 
 
 class FrozenEngineInstallation:
-    """What install() patched on one ZeRO-3 engine without an optimizer."""
-
-    stage = 3
+    """What install() patched on one ZeRO-3 or stage-0 engine without an optimizer."""
 
     def __init__(self, engine, policy: str, max_pinned_bytes: int):
         from .adapters.deepcompile import require_no_deepcompile
@@ -39,6 +42,7 @@ class FrozenEngineInstallation:
         require_supported_version()
         require_no_deepcompile(engine)
         self.engine = engine
+        self.stage = int(engine.zero_optimization_stage())
         self.policy = policy
         self.max_pinned_bytes = max_pinned_bytes
         self._output_hooks = FrozenEngineOutputHooks(engine)
@@ -47,12 +51,15 @@ class FrozenEngineInstallation:
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
         self.tracker = self.lifetime = self.trace = self.teardown = self.module_hooks = None
         try:
-            self._install_components(engine, policy, max_pinned_bytes)
+            if self.stage == 3:
+                self._install_lifetime(engine, policy, max_pinned_bytes)
+            self._patches.apply(engine, "forward", self._forward)
+            self._patches.apply(engine, "destroy", self._destroy)
         except BaseException:
             self.restore()  # never leave an engine half-patched
             raise
 
-    def _install_components(self, engine, policy, max_pinned_bytes) -> None:
+    def _install_lifetime(self, engine, policy, max_pinned_bytes) -> None:
         from .adapters.zero3_module_hooks import DeepSpeedModuleHooks
         from .adapters.zero3_teardown import DestroyedEngineRelease
         from .adapters.zero3_trace import ReleaseDecisionsFollowTrace
@@ -72,8 +79,6 @@ class FrozenEngineInstallation:
         self.teardown = DestroyedEngineRelease(self.trace)
         # Bookkeeping with side effects: never traced under engine.compile().
         self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
-        self._patches.apply(engine, "forward", self._forward)
-        self._patches.apply(engine, "destroy", self._destroy)
 
     def restore(self) -> None:
         """Undo everything installed, in reverse order; safe on a partial install."""
@@ -93,9 +98,12 @@ class FrozenEngineInstallation:
     def _forward(self, original):
 
         def forward(*args, **kwargs):
-            self.recover_if_backward_died()
-            self.module_hooks.keep_after_deepspeeds()  # before the root's hooks run
-            output = self.lifetime.run_forward(original, *args, **kwargs)
+            if self.lifetime is None:  # stage 0: params whole, nothing to keep
+                output = original(*args, **kwargs)
+            else:
+                self.recover_if_backward_died()
+                self.module_hooks.keep_after_deepspeeds()  # before the root's hooks run
+                output = self.lifetime.run_forward(original, *args, **kwargs)
             self._output_hooks.remove(list(tensors_in(output)))
             return output
 
@@ -147,6 +155,7 @@ class FrozenEngineInstallation:
     def stats(self) -> dict:
         result = {"stage": self.stage, "policy": self.policy, "without_optimizer": True,
                   "failed_backwards": self._failed_backwards}
-        result.update(self.lifetime.stats())
-        result["traces_recorded"] = self.trace.traces_recorded
+        if self.lifetime is not None:
+            result.update(self.lifetime.stats())
+            result["traces_recorded"] = self.trace.traces_recorded
         return result

@@ -104,7 +104,8 @@ class Installation:
         self.max_pinned_bytes = max_pinned_bytes
         self.stage = int(engine.zero_optimization_stage())
         if self.stage not in (1, 2, 3):
-            raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage}")
+            raise ValueError(f"zero_lifetime supports ZeRO stages 1, 2 and 3; this engine runs stage {self.stage} "
+                             "with an optimizer (one built without, a frozen model, is installed on stage 0 too)")
         require_zero_optimizer(engine, self.stage)
         require_zero1_accumulation_it_reduces_right(engine, self.stage)
         require_no_deepcompile(engine)
@@ -784,7 +785,9 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
     one 16-byte all-reduce checks that every rank reduced the same gradients in the same
     bucket layout, and raises RanksDisagreeError where DeepSpeed would silently mix them.
     Options not given here come from the DeepSpeed config's "zero_lifetime" section.
-    Installing twice returns the same handle.
+    Installing twice returns the same handle. An engine built without an optimizer (a frozen
+    reward or reference model, ZeRO-3 or stage 0) is installed as a frozen model
+    (``frozen_engine``): on ZeRO-3 the lifetime tracker alone.
     """
     _check_engine(engine)
     if engine.__dict__.get(_DESTROYED):
@@ -817,7 +820,8 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
             warnings.warn(f"{exc} Continuing without zero_lifetime.", RuntimeWarning, stacklevel=2)
             return None
         object.__setattr__(engine, _ATTR, installation)
-    warn_if_renormalizing_embeddings(engine.module, int(engine.zero_optimization_stage()))
+    if installation.stage != 0:  # a stage-0 engine without optimizer keeps its params whole
+        warn_if_renormalizing_embeddings(engine.module, installation.stage)
     return installation
 
 

@@ -1,5 +1,5 @@
 """What install() on a ZeRO-3 engine without optimizer costs a training step (not run in CI):
-the figures behind docs/reliability.md, "A frozen model in a ZeRO-3 engine of its own".
+the figures behind docs/reliability.md, "A frozen model in an engine of its own".
 
 A policy (4 blocks of Linear 256x256, LayerNorm, GELU; ZeRO-3, installed) trained through a
 frozen reward model of the same shape plus a head, in a ZeRO-3 engine built without an

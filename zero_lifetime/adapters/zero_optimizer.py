@@ -35,13 +35,19 @@ def _why_another_optimizer(engine, stage: int, found: str):
 
 
 def runs_without_optimizer(engine) -> bool:
-    """A ZeRO-3 engine built without an optimizer: DeepSpeed runs only its parameter offload
-    manager (DeepSpeedZeRoOffload, 0.17.6 to 0.19.8), which partitions the params and reduces
-    no gradients. install() gives it the lifetime tracker alone (``frozen_engine``)."""
-    if int(engine.zero_optimization_stage()) != 3:
-        return False
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    return isinstance(getattr(engine, "optimizer", None), DeepSpeedZeRoOffload)
+    """An engine built without an optimizer, on ZeRO-3 (DeepSpeed runs only its parameter
+    offload manager, DeepSpeedZeRoOffload, which partitions the params and reduces no gradients)
+    or stage 0 (no optimizer; with bf16, DeepSpeed's BF16_Optimizer over a DummyOptim); 0.17.6 to
+    0.19.8. install() handles it as a frozen model (``frozen_engine``)."""
+    stage = int(engine.zero_optimization_stage())
+    optimizer = getattr(engine, "optimizer", None)
+    if stage == 3:
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+        return isinstance(optimizer, DeepSpeedZeRoOffload)
+    if stage == 0:
+        from deepspeed.runtime.utils import DummyOptim
+        return optimizer is None or isinstance(getattr(optimizer, "optimizer", None), DummyOptim)
+    return False
 
 
 def require_zero_optimizer(engine, stage: int) -> None:
