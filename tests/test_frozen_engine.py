@@ -240,6 +240,42 @@ def test_stock_stage0_frozen_engine_raises_or_divides(dtype):
         assert_weights_match(policy_engine, policy_copy)
 
 
+# 0.17.6 reduces only inside an engine's own backward: A's gradients from B's backward are refused.
+@pytest.mark.skipif(not TORCH_STYLE_BACKWARD, reason="loss.backward() reduces nothing on this DeepSpeed")
+@pytest.mark.parametrize("frozen_stage", [3, 0])
+@pytest.mark.parametrize("path", BACKWARD_PATHS)
+def test_frozen_engine_between_two_trained_engines(path, frozen_stage):
+    """Trained engine A, then the frozen engine, then trained engine B (a frozen feature
+    extractor between an adapter and a head), GAS 2, two backwards: B sees its input come from
+    A's output through the frozen ops, and must undo its output division on it once, as for A
+    fed straight into B (README, engines fed engines); the frozen engine divides nothing."""
+    import deepspeed
+    gas = 2
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 8),
+              torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).requires_grad_(False),
+              torch.nn.Linear(8, 1)]
+    adapter_copy, frozen_copy, head_copy = (copy.deepcopy(m) for m in models)
+    adapter, head = (deepspeed.initialize(model=m, config=ds_config(3, lr=LR, gas=gas), model_parameters=m.parameters())[0]
+                     for m in (models[0], models[2]))
+    frozen = engine_without_optimizer(models[1], gas=gas, stage=frozen_stage)
+    for engine in (adapter, head, frozen):
+        zero_lifetime.install(engine)
+    optimizer = torch.optim.SGD([*adapter_copy.parameters(), *head_copy.parameters()], lr=LR)
+    for micro_step in range(WINDOWS * gas):
+        first, second = losses(head(frozen(adapter(batch(micro_step)))))
+        backward_by(head, first, path, retain_graph=True)
+        backward_by(head, second, path)
+        adapter.step()
+        head.step()
+        (sum(losses(head_copy(frozen_copy(adapter_copy(batch(micro_step)))))) / gas).backward()
+        if (micro_step + 1) % gas == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_weights_match(adapter, adapter_copy)
+    assert_weights_match(head, head_copy)
+
+
 class Boom(Exception):
     pass
 

@@ -1,9 +1,9 @@
 """install() on an engine built without an optimizer (ZeRO-3 or stage 0): a frozen model.
 
 Such an engine (``deepspeed.initialize(model=m, config=...)`` with no optimizer, as TRL and
-DeepSpeed-Chat build reward and reference models) only partitions its params: DeepSpeed runs
-its parameter offload manager and no ZeRO optimizer, so there are no gradients to reduce or
-buckets to fill. Gradients may still flow through it to the model that is trained (a
+DeepSpeed-Chat build reward and reference models) on ZeRO-3 only partitions its params:
+DeepSpeed runs its parameter offload manager and no ZeRO optimizer, so there are no gradients
+to reduce or buckets to fill. Gradients may still flow through it to the model that is trained (a
 differentiable reward, a perceptual loss, a frozen discriminator): two backwards over one
 forward then failed on the second (``Expected weight to be of same shape as normalized_shape,
 but got weight of shape [0]``), DeepSpeed having released the params that its layers saved.
