@@ -1,12 +1,13 @@
-"""install() on a ZeRO-3 engine built without an optimizer: a frozen reward (or reference,
-teacher, discriminator) model in an engine of its own, through which the trained engine's
-gradients flow, two backwards over one forward. Against plain torch (one process; the 2-rank
-runs against the same oracle in tests/frozen_engine_worker.py).
+"""install() on an engine built without an optimizer, ZeRO-3 or stage 0: a frozen reward (or
+reference, teacher, discriminator) model in an engine of its own, through which the trained
+engine's gradients flow, two backwards over one forward. Against plain torch (one process; the
+2-rank runs against the same oracle in tests/frozen_engine_worker.py).
 
 Stock, the second backward fails: DeepSpeed released the params the reward's LayerNorm saved
 (``engine.module(x)``, and ``engine(x)`` on 0.17.6), or, on 0.18.9 and 0.19.8, the first
 backward through ``engine(x)`` raises already ("Direct calls to tensor.backward() are not
 supported": the hooks DeepSpeed puts on the outputs of an engine without a ZeRO optimizer).
+On stage 0 those hooks raise in fp32 and, in bf16, divide the gradient by the engine's GAS.
 """
 
 import copy
