@@ -129,13 +129,10 @@ class FrozenEngineInstallation:
 
     def _on_backward_start(self) -> None:
         self.lifetime.replace_inference_placeholders()
-        self.lifetime.rearm_if_another_backward()
-        self.lifetime.begin()
+        self.lifetime.backward_started()
 
     def _on_backward_end(self) -> None:
-        self.lifetime.end_of_backward()
-        self.lifetime.release_modules_left_in_backward()
-        self.lifetime.end()
+        self.lifetime.backward_ended()
 
     def _on_backward_died(self) -> None:
         self.recover_if_backward_died()
@@ -146,8 +143,7 @@ class FrozenEngineInstallation:
         if not self.scope.abandon():
             return
         self._failed_backwards += 1
-        self.lifetime.release_everything_held()
-        self.lifetime.release_backward_leftovers()
+        self.lifetime.backward_died()
         logger.warning("zero_lifetime: a backward ended with an exception; released what it held")
 
     # ---- stats -----------------------------------------------------------------------------

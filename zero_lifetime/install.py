@@ -13,8 +13,8 @@ from .adapters.engine_boundary import boundary_set_by_hand
 from .adapters.engine_config import raw_config
 from .adapters.errors import UnsupportedDeepSpeedError, require_supported_version
 from .adapters.patching import Patches
-from .adapters.zero_optimizer import runs_without_optimizer
 from .adapters.grad_window import gradients_left_for_step, zero3_gradients_wait_for_step
+from .adapters.zero_optimizer import runs_without_optimizer
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
 from .embedding_max_norm import warn_if_renormalizing_embeddings
@@ -616,16 +616,11 @@ class Installation:
                 self.backward.suppress_output_hooks(managers)
                 self.backward.run_prologue()
         if self.lifetime is not None:
-            self.lifetime.rearm_if_another_backward()
-            self.lifetime.begin()
+            self.lifetime.backward_started()
 
     def _on_backward_end(self) -> None:
         if self.lifetime is not None:
-            self.lifetime.end_of_backward()
-            # DeepSpeed 0.19.8's epilogue does this too, but it is suppressed for
-            # torch.autograd.grad (it must not reduce), and older releases do not.
-            self.lifetime.release_modules_left_in_backward()
-            self.lifetime.end()
+            self.lifetime.backward_ended()
         if self._accumulating:
             self._accumulating = False
             self._backward_since_step = True
@@ -684,8 +679,7 @@ class Installation:
             if self.accumulation is not None:
                 self.accumulation.backward_died()
         if self.lifetime is not None:
-            self.lifetime.release_everything_held()
-            self.lifetime.release_backward_leftovers()
+            self.lifetime.backward_died()
         logger.warning("zero_lifetime: a backward ended with an exception; released what it held")
 
     # ---- stats -----------------------------------------------------------------------------

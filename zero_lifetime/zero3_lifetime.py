@@ -209,6 +209,24 @@ class Zero3Lifetime:
         if len(self._threads_in_calls) == 1:
             self.zparams.release_modules_left_in_backward(self.params.values())
 
+    def backward_started(self) -> None:
+        """A backward through the engine opens (after ``replace_inference_placeholders``)."""
+        self.rearm_if_another_backward()
+        self.begin()
+
+    def backward_ended(self) -> None:
+        """A backward through the engine closes: what it gathered again is released, and what
+        modules left gathered in it (DeepSpeed 0.19.8's epilogue does this too, but it is
+        suppressed for torch.autograd.grad, and older releases do not)."""
+        self.end_of_backward()
+        self.release_modules_left_in_backward()
+        self.end()
+
+    def backward_died(self) -> None:
+        """A backward through the engine raised: nothing it gathered or pinned stays."""
+        self.release_everything_held()
+        self.release_backward_leftovers()
+
     # ---- release of pins -------------------------------------------------------------
 
     def _on_unpinned(self, param) -> None:

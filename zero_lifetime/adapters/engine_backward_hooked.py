@@ -264,14 +264,11 @@ class FrozenEngineOutputHooks:
             from deepspeed.runtime.utils import OutputBackwardHookManager
             require(OutputBackwardHookManager(lambda: None), "hook_handles", "the output-hook handles")
 
-    def remove(self, outputs) -> int:
-        """Remove DeepSpeed's hooks from ``outputs`` (one forward's tensors); how many."""
+    def remove(self, outputs) -> None:
+        """Remove DeepSpeed's hooks from ``outputs`` (one forward's tensors)."""
         if not self._hooked:
-            return 0
-        removed = 0
+            return
         for manager in HookedEngineBackward.output_hook_managers(outputs):
             for handle in manager.hook_handles:
                 handle.remove()
-                removed += 1
             manager.hook_handles.clear()
-        return removed
