@@ -29,9 +29,10 @@ LR, WINDOWS = 0.1, 3
 SPAWN_DEADLINE_S = 300  # only reached when something hangs
 
 
-def _torch_reference(policy, reward, gas, forwards=1):
-    """Plain torch: ``(loss / gas).backward()`` per micro step, one SGD step per window."""
-    optimizer = torch.optim.SGD(policy.parameters(), lr=LR)
+def _torch_step_per_window(params, gas=1):
+    """The torch side's ``optimizer_step()``, called once per micro step: SGD once every
+    ``gas`` calls."""
+    optimizer = torch.optim.SGD(params, lr=LR)
     micro_steps = [0]
 
     def step():
@@ -40,22 +41,29 @@ def _torch_reference(policy, reward, gas, forwards=1):
             optimizer.step()
             optimizer.zero_grad()
 
+    return step
+
+
+def _torch_reference(policy, reward, gas, forwards=1):
+    """Plain torch: ``(loss / gas).backward()`` per micro step, one SGD step per window."""
     reward_steps(policy, reward, lambda loss, retain_graph=False: (loss / gas).backward(retain_graph=retain_graph),
-                 step, steps=WINDOWS * gas, forwards=forwards)
+                 _torch_step_per_window(policy.parameters(), gas), steps=WINDOWS * gas, forwards=forwards)
 
 
-def _engines(stage, policy="regather", gas=1, install_reward=True):
-    """(the trained policy's engine, installed; the reward's engine without optimizer), and
-    plain-torch copies of both (made before DeepSpeed partitions the models)."""
+def _engines(stage, policy="regather", gas=1, install_reward=True, reward_stage=3, dtype=torch.float32):
+    """(the trained policy's engine, installed; the reward's engine without optimizer, on ZeRO-3
+    or stage 0, its model in ``dtype``), and plain-torch copies of both (made before DeepSpeed
+    partitions the models)."""
     import deepspeed
     policy_model, reward_model = policy_and_reward()
+    reward_model.to(dtype)
     copies = copy.deepcopy(policy_model), copy.deepcopy(reward_model)
     policy_engine, *_ = deepspeed.initialize(model=policy_model, config=ds_config(stage, lr=LR, gas=gas),
                                              model_parameters=policy_model.parameters())
     zero_lifetime.install(policy_engine, policy=policy)
-    reward_engine = engine_without_optimizer(reward_model, gas=gas)
+    reward_engine = engine_without_optimizer(reward_model, gas=gas, stage=reward_stage, bf16=dtype == torch.bfloat16)
     if install_reward:
-        zero_lifetime.install(reward_engine, policy=policy)
+        assert zero_lifetime.install(reward_engine, policy=policy).stage == reward_stage
     return policy_engine, reward_engine, copies
 
 
@@ -176,13 +184,7 @@ def test_gradient_penalty_through_a_frozen_engine(forward, policy):
             train()
         return
     train()
-    optimizer = torch.optim.SGD(policy_copy.parameters(), lr=LR)
-
-    def torch_step():
-        optimizer.step()
-        optimizer.zero_grad()
-
-    _penalty_steps(policy_copy, reward_copy, torch.Tensor.backward, torch_step)
+    _penalty_steps(policy_copy, reward_copy, torch.Tensor.backward, _torch_step_per_window(policy_copy.parameters()))
     assert_weights_match(policy_engine, policy_copy)
     gc.collect()
     assert released_state(reward_engine) == ([], [])
@@ -191,16 +193,8 @@ def test_gradient_penalty_through_a_frozen_engine(forward, policy):
 def _train_through_stage0_engine(stage, dtype, gas, path="engine", install=True):
     """The reward in a stage-0 engine without optimizer (bf16: DeepSpeed's bf16 mode, the reward
     fed the policy's output in bf16), the policy on ZeRO ``stage``: (policy engine, torch copy)."""
-    import deepspeed
-    policy_model, reward_model = policy_and_reward()
-    reward_model.to(dtype)
-    policy_copy, reward_copy = copy.deepcopy(policy_model), copy.deepcopy(reward_model)
-    policy_engine, *_ = deepspeed.initialize(model=policy_model, config=ds_config(stage, lr=LR, gas=gas),
-                                             model_parameters=policy_model.parameters())
-    zero_lifetime.install(policy_engine)
-    reward_engine = engine_without_optimizer(reward_model, gas=gas, stage=0, bf16=dtype == torch.bfloat16)
-    if install:
-        assert zero_lifetime.install(reward_engine).stage == 0
+    policy_engine, reward_engine, (policy_copy, reward_copy) = _engines(
+        stage, gas=gas, install_reward=install, reward_stage=0, dtype=dtype)
     reward_steps(policy_engine, lambda features: reward_engine(features.to(dtype)).float(),
                  lambda loss, retain_graph=False: backward_by(policy_engine, loss, path, retain_graph),
                  policy_engine.step, steps=WINDOWS * gas)
@@ -262,7 +256,7 @@ def test_frozen_engine_between_two_trained_engines(path, frozen_stage):
     frozen = engine_without_optimizer(models[1], gas=gas, stage=frozen_stage)
     for engine in (adapter, head, frozen):
         zero_lifetime.install(engine)
-    optimizer = torch.optim.SGD([*adapter_copy.parameters(), *head_copy.parameters()], lr=LR)
+    torch_step = _torch_step_per_window([*adapter_copy.parameters(), *head_copy.parameters()], gas)
     for micro_step in range(WINDOWS * gas):
         first, second = losses(head(frozen(adapter(batch(micro_step)))))
         backward_by(head, first, path, retain_graph=True)
@@ -270,9 +264,7 @@ def test_frozen_engine_between_two_trained_engines(path, frozen_stage):
         adapter.step()
         head.step()
         (sum(losses(head_copy(frozen_copy(adapter_copy(batch(micro_step)))))) / gas).backward()
-        if (micro_step + 1) % gas == 0:
-            optimizer.step()
-            optimizer.zero_grad()
+        torch_step()
     assert_weights_match(adapter, adapter_copy)
     assert_weights_match(head, head_copy)
 
