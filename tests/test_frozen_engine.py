@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zero_lifetime
-from frozen_reward import (batch, engine_without_optimizer, gathered_weights, losses, policy_and_reward,
+from frozen_reward import (FEATURES, HIDDEN, batch, engine_without_optimizer, gathered_weights, losses, policy_and_reward,
                            reward_steps)
 from harness import (BACKWARD_PATHS, DS_VERSION, TORCH_STYLE_BACKWARD, assert_moved, assert_weights_match, backward_by,
                      ds_config, released_state)
@@ -335,6 +335,27 @@ def test_reward_params_that_require_grad_get_torch_gradients():
     for name, param in reward_engine.module.named_parameters():
         want = dict(reward_copy.named_parameters())[name].grad
         torch.testing.assert_close(param.grad, want, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reward_stage", [3, 0])
+def test_params_that_require_grad_are_warned_about_at_install(reward_stage):
+    """Nothing reduces, applies or frees such an engine's gradients: install says how many
+    params would get one and its full size, and says nothing for a frozen model."""
+    _, frozen = policy_and_reward()
+    frozen_engine = engine_without_optimizer(frozen, stage=reward_stage)
+    _, loaded_as_is = policy_and_reward()
+    loaded_as_is[0].requires_grad_(True)  # one Linear of FEATURES x HIDDEN, and its bias
+    loaded_engine = engine_without_optimizer(loaded_as_is, stage=reward_stage)
+    full_bytes = (FEATURES * HIDDEN + HIDDEN) * 4
+    with pytest.warns(RuntimeWarning, match="require grad") as record:
+        zero_lifetime.install(loaded_engine)
+        zero_lifetime.install(frozen_engine)
+    ours = [warning for warning in record if "zero_lifetime" in str(warning.message)]
+    assert len(ours) == 1, [str(warning.message) for warning in ours]
+    said = str(ours[0].message)
+    assert "2 params of this engine" in said and f"({full_bytes} bytes" in said
+    assert ("unpartitioned under ZeRO-3" in said) == (reward_stage == 3)
+    assert ours[0].filename == __file__  # points at the install() call
 
 
 # ---- 2 gloo ranks: the reward partitioned over both ----------------------------------------

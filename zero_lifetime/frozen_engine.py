@@ -21,6 +21,8 @@ trained model is on ZeRO-1/2) keeps its params whole: only those output hooks ar
 (DeepSpeed's BF16_Optimizer over a dummy) went through divided by its gradient_accumulation_steps.
 """
 
+import warnings
+
 import torch
 
 from .backward_scope import BackwardScope
@@ -155,3 +157,29 @@ class FrozenEngineInstallation:
             result.update(self.lifetime.stats())
             result["traces_recorded"] = self.trace.traces_recorded
         return result
+
+
+def params_requiring_grad(model) -> tuple:
+    """(how many of ``model``'s params require grad, the bytes of their full gradients)."""
+    from .adapters.zero3_params import full_numel
+    params = [param for param in model.parameters() if param.requires_grad]
+    return len(params), sum(full_numel(param) * param.element_size() for param in params)
+
+
+def warn_if_params_require_grad(model, zero_stage: int) -> None:
+    """Such an engine has nothing to reduce, step or free gradients with, so a param of it that
+    requires grad gets its full gradient in ``.grad`` on every rank (under ZeRO-3, beside an
+    empty partition): a reward model loaded as is costs a full-size gradient per rank, silently."""
+    count, nbytes = params_requiring_grad(model)
+    if count:
+        warnings.warn(
+            f"zero_lifetime: {count} params of this engine without optimizer require grad: a backward "
+            f"through it writes each one's full gradient to .grad on every rank ({_readable(nbytes)}"
+            f"{', unpartitioned under ZeRO-3' if zero_stage == 3 else ''}), which nothing reduces, applies "
+            "or frees. If the model is frozen, call engine.module.requires_grad_(False) before the first "
+            "backward; if it is trained, build its engine with an optimizer.",
+            RuntimeWarning, stacklevel=3)
+
+
+def _readable(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"

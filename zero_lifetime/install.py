@@ -18,6 +18,7 @@ from .adapters.zero_optimizer import runs_without_optimizer
 from .backward_scope import BackwardScope
 from .chained_engines import ChainedInputs, OutputDivision
 from .embedding_max_norm import warn_if_renormalizing_embeddings
+from .frozen_engine import FrozenEngineInstallation, warn_if_params_require_grad
 from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hint_if_stale_graph,
                                            step_called_by_accelerate_backward)
 from .reporting import StatsReporter, get_logger
@@ -804,7 +805,6 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
             return existing
         try:
             if runs_without_optimizer(engine):
-                from .frozen_engine import FrozenEngineInstallation
                 installation = FrozenEngineInstallation(engine, policy, max_pinned_bytes)
             else:
                 installation = Installation(engine, policy, max_pinned_bytes, options["check_bucket_order"])
@@ -814,7 +814,9 @@ def install(engine, policy: Optional[str] = None, max_pinned_bytes: Optional[int
             warnings.warn(f"{exc} Continuing without zero_lifetime.", RuntimeWarning, stacklevel=2)
             return None
         object.__setattr__(engine, _ATTR, installation)
-    if installation.stage != 0:  # a stage-0 engine without optimizer keeps its params whole
+    if isinstance(installation, FrozenEngineInstallation):  # nothing trains its params
+        warn_if_params_require_grad(engine.module, installation.stage)
+    else:
         warn_if_renormalizing_embeddings(engine.module, installation.stage)
     return installation
 
