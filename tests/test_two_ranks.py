@@ -41,6 +41,7 @@ COALESCE = [sc for sc in worker.SCENARIOS if sc["kind"] == "coalesce"]
 MUON = [sc for sc in worker.SCENARIOS if sc["kind"] == "muon"]
 FREEZE = [sc for sc in worker.SCENARIOS if sc["kind"] == "freeze"]
 SHARED_CKPT = [sc for sc in worker.SCENARIOS if sc["kind"] == "shared_ckpt"]
+FROZEN_MAX_NORM = [sc for sc in worker.SCENARIOS if sc["kind"] == "frozen_max_norm"]
 UNMANAGED = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and sc["install"]]
 UNMANAGED_STOCK = [sc for sc in worker.SCENARIOS if sc["kind"] == "unmanaged" and not sc["install"]]
 ORDER_CHECKED = [sc for sc in BUCKET_ORDER if sc["check"] and "gas" not in sc]
@@ -262,6 +263,23 @@ def _assert_matches_the_all_reduced_oracle(results, sc):
 @pytest.mark.parametrize("sc", FREEZE, ids=_ids(FREEZE))
 def test_a_layer_frozen_between_two_backwards_keeps_its_first_gradient_on_both_ranks(results, sc):
     _assert_matches_the_all_reduced_oracle(results, sc)
+
+
+@pytest.mark.parametrize("sc", FROZEN_MAX_NORM, ids=_ids(FROZEN_MAX_NORM))
+def test_a_frozen_embedding_with_max_norm_trains_like_torch_on_both_ranks(results, sc):
+    """The trained params are torch's: every lookup renormalizes the same rows alike. The
+    frozen weight keeps the renormalization as torch does on ZeRO-1/2 (out of their buffers);
+    on ZeRO-3 its rows are back above max_norm (renormalized in the gathered copy the release
+    drops; not warned about: nothing that trains sees it)."""
+    for rank, record in enumerate(results.records(sc["id"])):
+        bad = {n: e for n, e in record["tol_excess"].items() if not e <= ATOL and n != "0.weight"}
+        assert not bad, f"rank {rank}: trained weights differ from the all-reduced oracle: {record['abs_diff']}"
+        assert record["oracle_row_norm"] <= 1.0 + 1e-6, record
+        if sc["stage"] == 3:
+            assert record["row_norm"] > 1.5, record
+            assert record["stats"]["live_handles"] == 0 and record["stats"]["pinned_params"] == 0, record["stats"]
+        else:
+            assert record["tol_excess"]["0.weight"] <= ATOL, record
 
 
 @pytest.mark.parametrize("sc", SHARED_CKPT, ids=_ids(SHARED_CKPT))

@@ -235,6 +235,10 @@ def _build_scenarios():
         for offload in (False, True):
             out.append(_scenario(f"freeze-stage{stage}-{'offload' if offload else 'no_offload'}", "freeze", stage,
                                  offload=offload))
+    # A frozen embedding with max_norm in the trained model: each forward renormalizes rows of
+    # its weight in place, in ZeRO-3's gathered copy on 2 ranks.
+    for stage in (1, 2, 3):
+        out.append(_scenario(f"frozen_max_norm-stage{stage}", "frozen_max_norm", stage))
     # A block applied twice under reentrant checkpointing: refused on every rank (the default
     # bucket, and one smaller than the model, reduced between the two applications), then
     # non-reentrant training goes on.
@@ -971,6 +975,40 @@ def _run_freeze(sc, rank):
     return end_engine(engine, {"abs_diff": abs_diff, "tol_excess": excess}, installed=True)
 
 
+def _frozen_max_norm_embedding():
+    import torch
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8, max_norm=1.0), torch.nn.Flatten(), torch.nn.Linear(40, 3))
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+def _run_frozen_max_norm(sc, rank):
+    """Two retained backwards a step through a frozen embedding with ``max_norm``; the weights
+    against the all-reduced oracle, and the largest norm of the rows this rank looked up, on the
+    engine and in torch (which renormalizes them in the weight for good)."""
+    import torch
+    from harness import backward_by, full_weights, losses
+
+    engine, oracle, opt = _mlp_engine_and_oracle(sc, make_model=_frozen_max_norm_embedding)
+    looked_up = set()
+    for step in range(STEPS):
+        tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1000 + 10 * step + rank))
+        looked_up.update(tokens.flatten().tolist())
+        (l1, l2), (r1, r2) = losses(engine(tokens)), losses(oracle(tokens))
+        backward_by(engine, l1, sc["path"], retain_graph=True)
+        r1.backward(retain_graph=True)
+        backward_by(engine, l2, sc["path"])
+        r2.backward()
+        engine.step()
+        _oracle_step(oracle, opt)
+    abs_diff, excess = _against_oracle(engine, oracle)
+    rows = sorted(looked_up)
+    record = {"abs_diff": abs_diff, "tol_excess": excess,
+              "row_norm": full_weights(engine)[0][rows].norm(dim=1).max().item(),
+              "oracle_row_norm": oracle[0].weight[rows].detach().norm(dim=1).max().item()}
+    return end_engine(engine, record, installed=True)
+
+
 def _run_shared_ckpt(sc, rank):
     """The first backward through a block applied twice under reentrant checkpointing raises
     GradientReducedTwiceError on every rank (recorded), then the same engine trains with
@@ -1322,6 +1360,8 @@ def _run_scenario(sc, rank):
         return _run_freeze(sc, rank)
     if sc["kind"] == "shared_ckpt":
         return _run_shared_ckpt(sc, rank)
+    if sc["kind"] == "frozen_max_norm":
+        return _run_frozen_max_norm(sc, rank)
     return _run_training(sc, rank)
 
 

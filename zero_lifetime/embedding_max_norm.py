@@ -17,9 +17,10 @@ _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 def renormalizing_embeddings(model) -> list:
     """The embeddings whose renormalization ZeRO loses, described: those with ``max_norm`` whose
-    weight the optimizer updates. (A frozen one keeps it on 1 rank, every stage: ZeRO-1/2 leave
-    it out of their buffers, and ZeRO-3 does not gather there. On more ranks ZeRO-3 gathers it
-    into a new buffer and likely loses it too: not measured, not warned.)"""
+    weight the optimizer updates. (A frozen one keeps it on ZeRO-1/2, which leave it out of
+    their buffers, and on 1-rank ZeRO-3, which does not gather there. On 2 ranks ZeRO-3 loses it
+    from the weight, but every lookup renormalizes the same rows alike, so what trains is
+    torch's: not warned; tests/test_two_ranks.py.)"""
     return [f"'{name}' ({type(module).__name__}, max_norm={module.max_norm})" for name, module in model.named_modules()
             if isinstance(module, _EMBEDDINGS) and module.max_norm is not None and module.weight.requires_grad]
 
