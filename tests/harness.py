@@ -254,6 +254,20 @@ def make_input(model_name: str, seed: int, batch: int = 4):
     return torch.randn(batch, IN, generator=g)
 
 
+def penalty_loss(model, x, jacobian=False):
+    """A loss plus a gradient penalty: autograd.grad(create_graph=True), then a backward through
+    it. ``jacobian``: the penalty on the whole input Jacobian, one vmapped backward per output
+    (``is_grads_batched``, Jacobian regularization)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    if jacobian:
+        basis = torch.eye(out.shape[-1]).unsqueeze(1).expand(-1, *out.shape).contiguous()
+        (grad_x, ) = torch.autograd.grad(out, x, grad_outputs=basis, is_grads_batched=True, create_graph=True)
+    else:
+        (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    return out.mean() + grad_x.pow(2).sum()
+
+
 def losses(out):
     """Two different losses over one output: the multi-loss pattern. Over a pair of outputs
     (SplitHeads), one loss over each."""

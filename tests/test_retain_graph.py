@@ -13,7 +13,7 @@ import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match,
                      backward_by, backward_separately_or_summed, ds_config, full_weights, gathered_bytes, grad_and_backward,
                      losses, make_backward_die_at, make_input, make_pair, muon_engine, params_saved_by_forward,
-                     reference_two_backwards, released_state, train_step, two_backwards)
+                     penalty_loss, reference_two_backwards, released_state, train_step, two_backwards)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.bench.step import PeakGathered
 
@@ -473,20 +473,6 @@ def test_pin_budget_falls_back_to_regather():
     assert zero_lifetime.stats(engine)["peak_pinned_bytes"] <= budget
 
 
-def _penalty_loss(model, x, jacobian=False):
-    """A loss plus a gradient penalty: autograd.grad(create_graph=True), then a backward through
-    it. ``jacobian``: the penalty on the whole input Jacobian, one vmapped backward per output
-    (``is_grads_batched``, Jacobian regularization)."""
-    x = x.clone().requires_grad_(True)
-    out = model(x)
-    if jacobian:
-        basis = torch.eye(out.shape[-1]).unsqueeze(1).expand(-1, *out.shape).contiguous()
-        (grad_x, ) = torch.autograd.grad(out, x, grad_outputs=basis, is_grads_batched=True, create_graph=True)
-    else:
-        (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-    return out.mean() + grad_x.pow(2).sum()
-
-
 @pytest.mark.parametrize("jacobian", [False, True], ids=["gradient", "jacobian"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradient_penalty(stage, jacobian):
@@ -495,9 +481,9 @@ def test_gradient_penalty(stage, jacobian):
     zero_lifetime.install(engine)
     for step in range(2):
         x = make_input("mlp_norm", step)
-        _backward(engine, _penalty_loss(engine, x, jacobian))
+        _backward(engine, penalty_loss(engine, x, jacobian))
         engine.step()
-        _penalty_loss(reference, x, jacobian).backward()
+        penalty_loss(reference, x, jacobian).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     assert_weights_match(engine, reference)
@@ -538,9 +524,9 @@ def test_gradient_penalty_with_gradient_accumulation(stage):
     zero_lifetime.install(engine)
     for micro in range(4):
         x = make_input("mlp_norm", micro)
-        engine.backward(_penalty_loss(engine, x))
+        engine.backward(penalty_loss(engine, x))
         engine.step()
-        (_penalty_loss(reference, x) / 2).backward()
+        (penalty_loss(reference, x) / 2).backward()
         if micro % 2 == 1:
             ref_opt.step()
             ref_opt.zero_grad()

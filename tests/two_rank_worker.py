@@ -506,14 +506,6 @@ def _shard(model_name, step, rank):
     return make_input(model_name, seed=1000 + 10 * step + rank)  # a different shard per rank
 
 
-def _penalty_loss(model, x):
-    import torch
-    x = x.clone().requires_grad_(True)
-    out = model(x)
-    (grad_x, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-    return out.mean() + grad_x.pow(2).sum()
-
-
 def _compile(engine, sc):
     """engine.compile() with a counting backend when the scenario asks for it, else None."""
     if not sc.get("compile"):
@@ -528,7 +520,7 @@ def _compile(engine, sc):
 
 def _engine_step(engine, sc, step, backwards, rank):
     """One step; returns (params with an hpZ secondary shard, whether compiled code saved tensors)."""
-    from harness import graph_has_compiled_code, losses, two_backwards
+    from harness import graph_has_compiled_code, losses, penalty_loss, two_backwards
     x = _shard(sc["model"], step, rank)
     if sc.get("generation"):
         _generate(engine, x)
@@ -536,7 +528,7 @@ def _engine_step(engine, sc, step, backwards, rank):
         engine(x)  # a skipped batch: its graph goes unbackwarded
     forward = engine.module if sc.get("forward") == "module" else engine  # scenarios of other kinds lack it
     if sc["kind"] == "penalty":
-        loss = _penalty_loss(forward, x)
+        loss = penalty_loss(forward, x)
         compiled = graph_has_compiled_code(loss)
         engine.backward(loss) if sc["path"] == "engine" else loss.backward()
     elif backwards == 1:
@@ -573,10 +565,10 @@ def _at_boundary(sc, step):
 
 
 def _ddp_step(ddp, opt, sc, step, backwards, rank):
-    from harness import losses
+    from harness import losses, penalty_loss
     x = _shard(sc["model"], step, rank)
     if sc["kind"] == "penalty":
-        loss = _penalty_loss(ddp, x)
+        loss = penalty_loss(ddp, x)
     elif backwards == 1:
         loss = losses(ddp(x))[0]
     else:
@@ -589,10 +581,10 @@ def _ddp_step(ddp, opt, sc, step, backwards, rank):
 
 
 def _allreduce_step(model, opt, sc, step, backwards, rank):
-    from harness import losses
+    from harness import losses, penalty_loss
     x = _shard(sc["model"], step, rank)
     if sc["kind"] == "penalty":
-        (_penalty_loss(model, x) / sc["gas"]).backward()
+        (penalty_loss(model, x) / sc["gas"]).backward()
     elif backwards == 1:
         (losses(model(x))[0] / sc["gas"]).backward()
     else:
