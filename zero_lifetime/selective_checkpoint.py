@@ -17,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 
 try:  # torch's private names for it, only here (torch >= 2.4 has selective checkpointing)
+    from torch._C import _len_torch_dispatch_stack
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
     _CHECKPOINT_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
@@ -31,7 +32,10 @@ _NAMES_MOVED = (
 
 
 def _inside_selective_checkpoint() -> bool:
-    return any(isinstance(mode, _CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
+    # Runs twice per module per forward: an empty mode stack (nearly always) is told by one
+    # C call, without building the list of modes.
+    return _len_torch_dispatch_stack() != 0 and any(
+        isinstance(mode, _CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
 
 
 def _outside_selective_checkpoint(original, module):
