@@ -77,7 +77,7 @@ def _run(sc, rank):
                                                                        initial_reward))
     gc.collect()
     record["reward_released"] = released_state(reward_engine) == ([], [])
-    base.end_engine(reward_engine, {}, True)
+    record["reward_stats"] = base.end_engine(reward_engine, {}, True)["stats"]
     return base.end_engine(policy_engine, record, True)
 
 

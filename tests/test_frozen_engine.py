@@ -379,6 +379,8 @@ def test_two_ranks_trained_through_a_frozen_engine_match_torch(two_rank_results,
         assert record["moved"] > 1e-3, record["moved"]
         assert record["reward_unchanged"] and record["reward_released"], record
         assert record["reward_partitioned"], "each rank holds only part of the reward: nothing was gathered"
+        stats = record["reward_stats"]  # its all-gathers copied out by the fused op
+        assert stats["fused_gathers"] > 0 and stats["stock_gathers"] == 0, stats
 
 
 def test_two_ranks_stock_fails_the_second_backward(two_rank_results):

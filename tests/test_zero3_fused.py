@@ -236,7 +236,7 @@ def test_fused_wait_matches_stock_wait(groups, gather_dtype, op_calls):
         if how == "stock":
             handle.wait()
         else:
-            fused._wait(handle, True)
+            fused.wait(handle)
         assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in params) and handle.complete
         results[how] = (params, wants, handle)
     (stock, wants, _), (got, _, handle) = results["stock"], results["fused"]
@@ -279,7 +279,7 @@ def test_fused_wait_reuses_a_released_buffer_and_overwrites_it(op_calls):
         partitions = [flat.narrow(0, r * segment, segment) for r in range(world)]
         stock = AllGatherCoalescedHandle(_Done(), stock_params, partitions, world)
         stock.wait()
-        fused._wait(AllGatherCoalescedHandle(_Done(), params, partitions, world), True)
+        fused.wait(AllGatherCoalescedHandle(_Done(), params, partitions, world))
         addresses.append(params[0].untyped_storage().data_ptr())
         for got, want in zip(params, stock_params):
             torch.testing.assert_close(got.data, want.data, atol=0, rtol=0)

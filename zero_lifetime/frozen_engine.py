@@ -11,7 +11,8 @@ but got weight of shape [0]``), DeepSpeed having released the params that its la
 Here the engine's forward (``engine(x)``, or ``engine.module(x)`` and methods of the model)
 runs under the tracker's saved-tensor hooks, and each backward through its outputs sets back
 DeepSpeed's per-module counters and releases what it gathered again, as for a trained engine
-(``Zero3Lifetime``). DeepSpeed's hooks on its forward outputs are removed: they would run a
+(``Zero3Lifetime``). Its all-gathers copy out in one fused launch each, as a trained engine's
+(``Zero3FusedGathers``; on more than one rank). DeepSpeed's hooks on its forward outputs are removed: they would run a
 backward prologue that raises without an optimizer, and divide the gradient by this engine's
 gradient_accumulation_steps, which the trained engine's backward divides already.
 
@@ -51,7 +52,7 @@ class FrozenEngineInstallation:
         self._patches = Patches()
         self._failed_backwards = 0
         self.scope = BackwardScope(self._on_backward_start, self._on_backward_end, self._on_backward_died)
-        self.tracker = self.lifetime = self.trace = self.teardown = self.module_hooks = None
+        self.tracker = self.lifetime = self.trace = self.teardown = self.module_hooks = self.fused_gathers = None
         try:
             if self.stage == 3:
                 self._install_lifetime(engine, policy, max_pinned_bytes)
@@ -68,6 +69,7 @@ class FrozenEngineInstallation:
         from .hooks_after_deepspeed import HooksAfterDeepSpeed
         from .selective_checkpoint import keep_module_hooks_outside
         from .tracker import make_tracker
+        from .zero3_fused import Zero3FusedGathers
         from .zero3_lifetime import Zero3Lifetime
 
         deepspeed_module_hooks = DeepSpeedModuleHooks(engine)
@@ -76,6 +78,7 @@ class FrozenEngineInstallation:
         if selective_checkpoint_patches is not None:
             self._patches.keep(selective_checkpoint_patches)
         self.tracker = make_tracker(policy, max_pinned_bytes)
+        self.fused_gathers = Zero3FusedGathers(list(engine.module.parameters()))
         self.lifetime = Zero3Lifetime(engine, self.tracker, self.module_hooks)
         self.trace = ReleaseDecisionsFollowTrace(engine)
         self.teardown = DestroyedEngineRelease(self.trace)
@@ -85,6 +88,8 @@ class FrozenEngineInstallation:
     def restore(self) -> None:
         """Undo everything installed, in reverse order; safe on a partial install."""
         self._patches.undo()
+        if self.fused_gathers is not None:
+            self.fused_gathers.uninstall()
         if self.module_hooks is not None:
             self.module_hooks.remove()
         if self.trace is not None:
@@ -155,6 +160,7 @@ class FrozenEngineInstallation:
                   "failed_backwards": self._failed_backwards}
         if self.lifetime is not None:
             result.update(self.lifetime.stats())
+            result.update(self.fused_gathers.counts)
             result["traces_recorded"] = self.trace.traces_recorded
         return result
 

@@ -15,7 +15,8 @@
   keeps the stock wait.
 
 The gather half only runs with more than one rank: one rank gets ``NoGatherCoalescedHandle``
-(nothing to gather), and a group of one param gets the sequential ``AllGatherHandle``.
+(nothing to gather), and a group of one param gets the sequential ``AllGatherHandle``. It needs
+no optimizer (``Zero3FusedGathers``): an engine built without one gets it alone.
 Nothing is patched on a class: both halves are per-instance attributes of this engine's
 optimizer and params, so other engines stay stock.
 """
@@ -31,28 +32,29 @@ from .reserved_fill import Reservations, fill_and_repoint
 
 
 class Zero3FusedCopies:
+    """Both halves on an engine with a ZeRO-3 optimizer."""
 
     def __init__(self, engine):
-        from . import ops
-
-        self._ops = ops
         self._accelerator = get_accelerator()
         self.buckets = Zero3Buckets(engine.optimizer)
-        self._params = list(engine.module.parameters())
-        self.handles = Zero3GatherHandles(self._params)
-        self.counts = {"bucket_fills": 0, "filled_grads": 0, "fused_gathers": 0, "stock_gathers": 0}
+        self._bucket_counts = {"bucket_fills": 0, "filled_grads": 0}
         self._pending = {}  # comm dtype -> Reservations (of params)
-        self._installed = True
         self.buckets.override(ADD_GRAD, self._add_grad_to_bucket)
         self.buckets.override(REDUCE_BUCKET, self._reduce_bucket)
-        self._gather_patches = self.handles.wrap_param_gathers(self._params, self._all_gather_coalesced)
+        self.gathers = Zero3FusedGathers(list(engine.module.parameters()))
+
+    @property
+    def counts(self) -> dict:
+        return {**self._bucket_counts, **self.gathers.counts}
 
     def uninstall(self) -> None:
         """Stock methods back: pending gradients are filled now; handles already in flight wait the stock way."""
-        self._installed = False
         self._fill_all_pending()
         self.buckets.restore()
-        self._gather_patches.undo()
+        self.gathers.uninstall()
+
+    def wait(self, handle, handle_dependency: bool = True) -> None:
+        self.gathers.wait(handle, handle_dependency)
 
     # ---- gradient buckets -----------------------------------------------------------------
 
@@ -101,8 +103,8 @@ class Zero3FusedCopies:
         with accelerator.stream(reduce_stream):
             grads = [param.grad for param in pending.items]
             fill_and_repoint(self.buckets.buffer(comm_dtype), grads, pending.offsets, 1.0, keep_until_read)
-        self.counts["bucket_fills"] += 1
-        self.counts["filled_grads"] += len(grads)
+        self._bucket_counts["bucket_fills"] += 1
+        self._bucket_counts["filled_grads"] += len(grads)
 
     def _fill_all_pending(self) -> None:
         # After uninstall the stock flush would read buffer slices nobody wrote.
@@ -110,7 +112,24 @@ class Zero3FusedCopies:
             for comm_dtype in list(self._pending):
                 self._fill(comm_dtype)
 
-    # ---- coalesced all-gathers ------------------------------------------------------------
+
+class Zero3FusedGathers:
+    """The gather half: each coalesced all-gather of ``params`` copied out in one fused launch."""
+
+    def __init__(self, params):
+        from . import ops
+
+        self._ops = ops
+        self._accelerator = get_accelerator()
+        self.handles = Zero3GatherHandles(params)
+        self.counts = {"fused_gathers": 0, "stock_gathers": 0}
+        self._installed = True
+        self._gather_patches = self.handles.wrap_param_gathers(params, self._all_gather_coalesced)
+
+    def uninstall(self) -> None:
+        """Stock gathers back; handles already in flight wait the stock way."""
+        self._installed = False
+        self._gather_patches.undo()
 
     def _all_gather_coalesced(self, original, *args, **kwargs):
         handle = original(*args, **kwargs)
