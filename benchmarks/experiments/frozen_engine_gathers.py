@@ -7,7 +7,12 @@ optimizer over identical models, one installed (its all-gathers copied out by on
 ``gather_copy_out`` each), one stock (one ``torch.cat`` per param). Timed, alternating which
 engine every round: a scoring forward under ``torch.no_grad()`` (how TRL scores samples with
 reward and reference models), and a forward of ``engine.module`` plus one backward into its
-input (a differentiable reward; stock ``engine(x)`` raises at that backward on 0.18.9/0.19.8). Rank 0 prints the medians and installed/stock ratios.
+input (a differentiable reward; stock ``engine(x)`` raises at that backward on 0.18.9/0.19.8).
+Each rank runs one thread. Rank 0 prints the medians and installed/stock ratios. Measured
+2026-12-07 on the 2-vCPU EPYC VM: no gain from the fused copy-out here (a scoring forward,
+170-230 ms against ~30 ms on 1 rank, waits on gloo's 128 all-gathers, not on the copies);
+installed/stock 0.96-1.04 scoring, 1.06-1.12 with the backward (the installation's
+per-module hooks, which modules this small magnify; docs/reliability.md).
 
     DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.frozen_engine_gathers
 """
