@@ -189,6 +189,17 @@ def test_unknown_deepspeed_raises_and_patches_nothing(monkeypatch):
     assert ADD_GRAD not in engine.optimizer.__dict__
 
 
+def test_a_refused_gather_probe_leaves_the_buckets_stock(monkeypatch):
+    """The gather half is probed after the bucket methods are overridden: its refusal takes
+    them back."""
+    engine, *_ = _pair()
+    param = next(engine.module.parameters())
+    monkeypatch.delitem(param.__dict__, "all_gather_coalesced")
+    with pytest.raises(UnsupportedDeepSpeedError, match="all_gather_coalesced"):
+        Zero3FusedCopies(engine)
+    assert ADD_GRAD not in engine.optimizer.__dict__ and REDUCE_BUCKET not in engine.optimizer.__dict__
+
+
 # ---- one rank: the gather copy-out against the stock wait on hand-built handles ----------
 
 

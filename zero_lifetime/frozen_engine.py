@@ -12,9 +12,10 @@ Here the engine's forward (``engine(x)``, or ``engine.module(x)`` and methods of
 runs under the tracker's saved-tensor hooks, and each backward through its outputs sets back
 DeepSpeed's per-module counters and releases what it gathered again, as for a trained engine
 (``Zero3Lifetime``). Its all-gathers copy out in one fused launch each, as a trained engine's
-(``Zero3FusedGathers``; on more than one rank). DeepSpeed's hooks on its forward outputs are removed: they would run a
-backward prologue that raises without an optimizer, and divide the gradient by this engine's
-gradient_accumulation_steps, which the trained engine's backward divides already.
+(``Zero3FusedGathers``; on more than one rank). DeepSpeed's hooks on its forward outputs are
+removed: they would run a backward prologue that raises without an optimizer, and divide the
+gradient by this engine's gradient_accumulation_steps, which the trained engine's backward
+divides already.
 
 A stage-0 engine without optimizer (TRL builds its reward and reference models so when the
 trained model is on ZeRO-1/2) keeps its params whole: only those output hooks are removed. On

@@ -41,7 +41,11 @@ class Zero3FusedCopies:
         self._pending = {}  # comm dtype -> Reservations (of params)
         self.buckets.override(ADD_GRAD, self._add_grad_to_bucket)
         self.buckets.override(REDUCE_BUCKET, self._reduce_bucket)
-        self.gathers = Zero3FusedGathers(list(engine.module.parameters()))
+        try:
+            self.gathers = Zero3FusedGathers(list(engine.module.parameters()))
+        except BaseException:
+            self.buckets.restore()  # a refused gather probe leaves no bucket patched
+            raise
 
     @property
     def counts(self) -> dict:
