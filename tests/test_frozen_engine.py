@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import zero_lifetime
-from frozen_reward import (FEATURES, HIDDEN, batch, engine_without_optimizer, gathered_weights, losses, policy_and_reward,
-                           reward_steps)
+from frozen_reward import (FEATURES, HIDDEN, batch, engine_without_optimizer, gathered_weights, losses,
+                           policy_and_reward, reward_steps)
 from harness import (BACKWARD_PATHS, DS_VERSION, TORCH_STYLE_BACKWARD, assert_moved, assert_weights_match, backward_by,
                      ds_config, released_state)
 from rank_spawn import spawn_ranks

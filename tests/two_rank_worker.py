@@ -979,17 +979,16 @@ def _run_frozen_max_norm(sc, rank):
     against the all-reduced oracle, and the largest norm of the rows this rank looked up, on the
     engine and in torch (which renormalizes them in the weight for good)."""
     import torch
-    from harness import backward_by, full_weights, losses
+    from harness import full_weights, losses, two_backwards
 
     engine, oracle, opt = _mlp_engine_and_oracle(sc, make_model=_frozen_max_norm_embedding)
     looked_up = set()
     for step in range(STEPS):
         tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1000 + 10 * step + rank))
         looked_up.update(tokens.flatten().tolist())
-        (l1, l2), (r1, r2) = losses(engine(tokens)), losses(oracle(tokens))
-        backward_by(engine, l1, sc["path"], retain_graph=True)
+        two_backwards(engine, engine(tokens), sc["path"], zero_grad=False)
+        r1, r2 = losses(oracle(tokens))
         r1.backward(retain_graph=True)
-        backward_by(engine, l2, sc["path"])
         r2.backward()
         engine.step()
         _oracle_step(oracle, opt)
