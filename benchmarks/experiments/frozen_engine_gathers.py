@@ -1,20 +1,22 @@
 """What the fused all-gather copy-out saves a frozen ZeRO-3 engine without optimizer (not run in
-CI): the figures behind docs/reliability.md, "A frozen model in an engine of its own".
+CI): the figures behind docs/reliability.md, "Frozen engines, continued".
 
-2 gloo ranks, each holding half of a frozen model of many small params (BLOCKS blocks of
-Linear WIDTHxWIDTH and LayerNorm: 4 params a block) in two ZeRO-3 engines built without an
-optimizer over identical models, one installed (its all-gathers copied out by one fused
-``gather_copy_out`` each), one stock (one ``torch.cat`` per param). Timed, alternating which
-engine every round: a scoring forward under ``torch.no_grad()`` (how TRL scores samples with
-reward and reference models), and a forward of ``engine.module`` plus one backward into its
-input (a differentiable reward; stock ``engine(x)`` raises at that backward on 0.18.9/0.19.8).
-Each rank runs one thread. Rank 0 prints the medians and installed/stock ratios. Measured
-2026-12-07 on the 2-vCPU EPYC VM: no gain from the fused copy-out here (a scoring forward,
-170-230 ms against ~30 ms on 1 rank, waits on gloo's 128 all-gathers, not on the copies);
-installed/stock 0.96-1.04 scoring, 1.06-1.12 with the backward (the installation's
-per-module hooks, which modules this small magnify; docs/reliability.md).
+2 gloo ranks (or RANKS), each holding its part of a frozen model of many small params (BLOCKS
+blocks of Linear WIDTHxWIDTH and LayerNorm: 4 params a block) in two ZeRO-3 engines built
+without an optimizer over identical models, one installed (its all-gathers copied out by one
+fused ``gather_copy_out`` each), one stock (one ``torch.cat`` per param). Timed, alternating
+which engine every round: a scoring forward under ``torch.no_grad()`` (how TRL scores samples
+with reward and reference models), and a forward of ``engine.module`` plus one backward into
+its input (a differentiable reward; stock ``engine(x)`` raises at that backward on
+0.18.9/0.19.8). Each rank runs one thread. Rank 0 prints the medians and installed/stock
+ratios. On 1 rank nothing is gathered: what is left is the installation's per-module cost.
+Measured 2026-12-07 on the 2-vCPU EPYC VM: no gain from the fused copy-out on 2 ranks (a
+scoring forward, 170-230 ms against ~35 ms on 1 rank, waits on gloo's 128 all-gathers, not on
+the copies); installed/stock 0.96-1.04 scoring, 1.06-1.12 with the backward, and on 1 rank
+1.05-1.06 and 1.06-1.09 (the installation's per-module hooks, which modules this small
+magnify; docs/reliability.md).
 
-    DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.frozen_engine_gathers
+    DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.frozen_engine_gathers [ROUNDS [RANKS]]
 """
 import os
 import statistics
@@ -56,8 +58,8 @@ def _differentiable(engine, x):
     engine.module(x).sum().backward()
 
 
-def _rank(rank, rounds):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(PORT), RANK=str(rank), WORLD_SIZE="2",
+def _rank(rank, rounds, world):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(PORT), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import logging
 
@@ -82,7 +84,7 @@ def _rank(rank, rounds):
     stats = zero_lifetime.stats(engines["installed"])
     if rank == 0:
         params = sum(1 for _ in engines["stock"].module.parameters())
-        print(f"2 gloo ranks, {params} frozen params ({BLOCKS} x Linear {WIDTH}x{WIDTH} + LayerNorm), "
+        print(f"{world} gloo ranks, {params} frozen params ({BLOCKS} x Linear {WIDTH}x{WIDTH} + LayerNorm), "
               f"batch {BATCH}, {rounds} rounds; installed: {stats['fused_gathers']} fused gathers, "
               f"{stats['stock_gathers']} stock")
         for work in ("_score", "_differentiable"):
@@ -91,9 +93,9 @@ def _rank(rank, rounds):
                   f"installed/stock {ours / stock:.3f}")
 
 
-def main(rounds: int = ROUNDS) -> None:
-    mp.spawn(_rank, args=(rounds,), nprocs=2)
+def main(rounds: int = ROUNDS, ranks: int = 2) -> None:
+    mp.spawn(_rank, args=(rounds, ranks), nprocs=ranks)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS)
+    main(*(int(arg) for arg in sys.argv[1:3]))
