@@ -25,9 +25,8 @@ trained model is on ZeRO-1/2) keeps its params whole: only those output hooks ar
 
 import warnings
 
-import torch
-
 from .backward_scope import BackwardScope
+from .never_traced import never_traced
 from .reporting import get_logger
 from .tensor_containers import tensors_in
 
@@ -84,7 +83,7 @@ class FrozenEngineInstallation:
         self.trace = ReleaseDecisionsFollowTrace(engine)
         self.teardown = DestroyedEngineRelease(self.trace)
         # Bookkeeping with side effects: never traced under engine.compile().
-        self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
+        self.module_hooks.forward_hook(engine.module, never_traced(self._on_root_forward))
 
     def restore(self) -> None:
         """Undo everything installed, in reverse order; safe on a partial install."""

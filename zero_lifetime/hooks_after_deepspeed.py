@@ -11,7 +11,7 @@ were kept, silently. So ours are registered again behind them, checked before ev
 of the root.
 """
 
-import torch
+from .never_traced import never_traced
 
 
 class HooksAfterDeepSpeed:
@@ -28,7 +28,7 @@ class HooksAfterDeepSpeed:
             # Ahead of every other hook of the root (DeepSpeed appends its own): also for a
             # forward that bypasses engine.forward (engine.module(x)).
             self._check_handle = root_module.register_forward_pre_hook(
-                torch.compiler.disable(lambda _module, _inputs: self.keep_after_deepspeeds()), prepend=True)
+                never_traced(lambda _module, _inputs: self.keep_after_deepspeeds()), prepend=True)
 
     def forward_hook(self, module, hook) -> None:
         self._register(module.register_forward_hook, hook)

@@ -21,6 +21,7 @@ from .embedding_max_norm import warn_if_renormalizing_embeddings
 from .frozen_engine import FrozenEngineInstallation, warn_if_params_require_grad
 from .integrations.accelerate_steps import (HINT as ACCELERATE_STEP_NOTE, add_hint_if_stale_graph,
                                            step_called_by_accelerate_backward)
+from .never_traced import never_traced
 from .reporting import StatsReporter, get_logger
 from .output_views import OutputViews
 from .plain_backward import PlainBackwardCheck
@@ -215,7 +216,7 @@ class Installation:
         self.reporter = StatsReporter(engine, self.stats)
         self.plain_backward = PlainBackwardCheck(engine, self.backward, lambda: self.engine.zero_grad())
         # Bookkeeping with side effects: never traced under engine.compile() (see Zero3Lifetime).
-        self.module_hooks.forward_hook(engine.module, torch.compiler.disable(self._on_root_forward))
+        self.module_hooks.forward_hook(engine.module, never_traced(self._on_root_forward))
         # Before DeepSpeed's post-accumulate grad hooks: open the backward (and gather
         # a released ZeRO-3 param) before any gradient reaches DeepSpeed.
         for param in self._trainable:

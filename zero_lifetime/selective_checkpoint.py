@@ -16,6 +16,8 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from .never_traced import never_traced
+
 try:  # torch's private names for it, only here (torch >= 2.4 has selective checkpointing)
     from torch._C import _len_torch_dispatch_stack
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
@@ -55,4 +57,4 @@ def keep_module_hooks_outside(deepspeed_module_hooks):
         if hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
             warnings.warn(_NAMES_MOVED, RuntimeWarning, stacklevel=3)
         return None
-    return deepspeed_module_hooks.wrap_forward_functions(torch.compiler.disable(_outside_selective_checkpoint))
+    return deepspeed_module_hooks.wrap_forward_functions(never_traced(_outside_selective_checkpoint))

@@ -18,6 +18,7 @@ recomputation).
 
 import torch
 
+from .never_traced import never_traced
 from .outer_saved_tensor_hooks import hooks_in_force
 
 _NOT_PUSHED = object()  # a forward runs, under saved-tensor hooks that are not ours
@@ -55,4 +56,4 @@ class BypassingForwards:
                 hooks.__exit__(None, None, None)
             self._on_returned(module)
 
-        handle = module.register_forward_hook(torch.compiler.disable(returned), always_call=True)
+        handle = module.register_forward_hook(never_traced(returned), always_call=True)

@@ -27,6 +27,7 @@ import threading
 import torch
 
 from .adapters.zero3_params import PinnedParamsStayGathered, Zero3Params
+from .never_traced import never_traced
 from .outer_saved_tensor_hooks import chained_with, hooks_in_force
 from .zero3_bypassing_forward import BypassingForwards
 
@@ -78,7 +79,7 @@ class Zero3Lifetime:
         # Each module's params looked up once: module.parameters(recurse=False) costs ~3 us a
         # call, every forward of every module. After DeepSpeed's pre-forward hook of the
         # module, which gathers its params.
-        before_forward = torch.compiler.disable(self._before_module_forward)
+        before_forward = never_traced(self._before_module_forward)
         for module in self._modules:
             own = tuple(module.parameters(recurse=False))
             module_hooks.forward_pre_hook(module, self._note_gathered_hook(own) if own else before_forward)
@@ -116,7 +117,7 @@ class Zero3Lifetime:
 
         # Under engine.compile() module hooks run inside the compiled call: run this one as
         # written, never traced (Dynamo would guard on the params' state and recompile).
-        return torch.compiler.disable(note_gathered_before_forward)
+        return never_traced(note_gathered_before_forward)
 
     def _before_module_forward(self, module, _inputs) -> None:
         self.bypassing.before_module_forward(module)

@@ -11,8 +11,7 @@ all-gather on several ranks). Clearing the cache right before DeepSpeed complete
 makes its decisions those of that trace.
 """
 
-import torch
-
+from ..never_traced import never_traced
 from .errors import require, unrecognised
 from .zero3_params import parameter_offload
 
@@ -41,7 +40,7 @@ class ReleaseDecisionsFollowTrace:
         self._cache = _release_decision_cache(type(coordinator))
         self.traces_recorded = 0  # by DeepSpeed, each right after this hook cleared the cache
         # Bookkeeping outside the model's computation: never traced under engine.compile().
-        self._handle = engine.module.register_forward_pre_hook(torch.compiler.disable(self._before_forward),
+        self._handle = engine.module.register_forward_pre_hook(never_traced(self._before_forward),
                                                                prepend=True)
 
     def _before_forward(self, _module, _inputs) -> None:
