@@ -455,6 +455,45 @@ def test_stage3_param_saved_through_a_raw_alias(policy):
     assert released_state(engine) == ([], [])
 
 
+def _forces(forward):
+    """The gradient of an energy as the model's output, as force fields compute forces: a
+    forward that enables grad inside itself and differentiates before it returns."""
+
+    def forces(x):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            return torch.autograd.grad(forward(x).square().sum(), x)[0]
+
+    return forces
+
+
+@pytest.mark.parametrize("policy", ["regather", "pin"])
+def test_a_no_grad_forward_that_differentiates_inside_itself(policy):
+    """Params are not noted by address under no_grad: nothing a forward saves then outlives
+    it (DeepSpeed's hooks detach what a module returns). A forward evaluated under no_grad that
+    enables grad inside itself saves a raw alias of a param and uses it before returning: it
+    matches torch, and a training step with two backwards after it matches torch."""
+    engine, reference, ref_opt = make_pair("raw_alias", 3)
+    zero_lifetime.install(engine, policy=policy)
+    x = make_input("raw_alias", 0)
+    forward = engine.module.forward
+    engine.module.forward = _forces(forward)
+    with torch.no_grad():
+        forces = engine(x)
+    torch.testing.assert_close(forces, _forces(reference.forward)(x))
+    del engine.module.forward
+    assert released_state(engine) == ([], [])
+
+    out = engine(x)
+    two_backwards(engine, out, "engine", zero_grad=False)
+    engine.step()
+    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
+    assert_weights_match(engine, reference)
+    del out
+    gc.collect()
+    assert released_state(engine) == ([], [])
+
+
 def test_pin_budget_falls_back_to_regather():
     engine, reference, ref_opt = make_pair("mlp_norm", 3)
     saved = params_saved_by_forward("mlp_norm", engine.module)

@@ -108,11 +108,16 @@ class Zero3Lifetime:
 
     def _note_gathered_hook(self, params):
         note_gathered_all = self.tracker.note_gathered_all
+        grad_enabled = torch.is_grad_enabled
 
         def note_gathered_before_forward(module, _inputs):
             # Record where each gathered param lives, so a saved tensor that shares its
-            # storage without being an autograd view of it is still recognised.
-            note_gathered_all(params)
+            # storage without being an autograd view of it is still recognised. Not under
+            # no_grad (generation, evaluation, a frozen model's scoring), where it was most of
+            # these hooks' cost: what a module's forward saves then is used before it returns
+            # (DeepSpeed's hooks detach the tensors it returns), while its params are gathered.
+            if grad_enabled():
+                note_gathered_all(params)
             self.bypassing.before_module_forward(module)
 
         # Under engine.compile() module hooks run inside the compiled call: run this one as
