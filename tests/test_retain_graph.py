@@ -13,7 +13,8 @@ import zero_lifetime
 from harness import (BACKWARD_PATHS, DS_VERSION, MODELS, TORCH_STYLE_BACKWARD, FailingBackward, assert_weights_match,
                      backward_by, backward_separately_or_summed, ds_config, full_weights, gathered_bytes, grad_and_backward,
                      losses, make_backward_die_at, make_input, make_pair, muon_engine, params_saved_by_forward,
-                     penalty_loss, reference_two_backwards, released_state, train_step, two_backwards)
+                     penalty_loss, reference_two_backwards, released_state, train_step, two_backwards,
+                     two_backwards_step_like_torch)
 from zero_lifetime.adapters import UnsupportedDeepSpeedError
 from zero_lifetime.bench.step import PeakGathered
 
@@ -483,15 +484,7 @@ def test_a_no_grad_forward_that_differentiates_inside_itself(policy):
     torch.testing.assert_close(forces, _forces(reference.forward)(x))
     del engine.module.forward
     assert released_state(engine) == ([], [])
-
-    out = engine(x)
-    two_backwards(engine, out, "engine", zero_grad=False)
-    engine.step()
-    reference_two_backwards(reference, ref_opt, x, zero_grad=False)
-    assert_weights_match(engine, reference)
-    del out
-    gc.collect()
-    assert released_state(engine) == ([], [])
+    two_backwards_step_like_torch(engine, engine(x), reference, ref_opt, reference(x))
 
 
 def test_pin_budget_falls_back_to_regather():

@@ -2,17 +2,17 @@
 CI): the figures behind docs/reliability.md, "Per-module hooks: cheaper outside compilation
 and under no_grad".
 
-1 gloo rank (nothing is gathered: what is left is per-module work), a model of many small
-modules (BLOCKS blocks of Linear WIDTHxWIDTH and LayerNorm, 129 modules), ZeRO-3. Three engines
-over identical models in one process: stock, installed, and installed as up to stop 69. The
-last is rebuilt here by two patches held during its install() only: every module that wraps a
-hook in ``never_traced`` gets ``torch.compiler.disable`` instead (a frame switch at every call),
-and ``torch.is_grad_enabled`` reads True, which the tracker's per-module note captures at
-install, so it notes the params under no_grad too. Timed, rotating the engines' order every
-round: a scoring forward under ``torch.no_grad()`` and a forward of ``engine.module`` plus one
-backward into its input, on engines without optimizer (a frozen reward); and a training step
-(``engine(x)``, ``engine.backward``, ``engine.step()``) on engines with one. Prints medians and
-each installed engine's ratio to stock.
+1 gloo rank (nothing is gathered: what is left is per-module work), the model of many small
+modules of ``frozen_engine_gathers`` (64 blocks of Linear 64x64 and LayerNorm, 129 modules),
+ZeRO-3. Three engines over identical models in one process: stock, installed, and installed as
+up to stop 69. The last is rebuilt here by two patches held during its install() only: every
+module that wraps a hook in ``never_traced`` gets ``torch.compiler.disable`` instead (a frame
+switch at every call), and ``torch.is_grad_enabled`` reads True, which the tracker's per-module
+note captures at install, so it notes the params under no_grad too. Timed, rotating the engines'
+order every round: a scoring forward under ``torch.no_grad()`` and a forward of
+``engine.module`` plus one backward into its input, on engines without optimizer (a frozen
+reward); and a training step (``engine(x)``, ``engine.backward``, ``engine.step()``) on engines
+with one. Prints medians and each installed engine's ratio to stock.
 
     DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.per_module_hooks [ROUNDS]
 """
@@ -26,26 +26,20 @@ import warnings
 
 import torch
 
+from .frozen_engine_gathers import BATCH, BLOCKS, WIDTH, _differentiable, _frozen_model, _score
+
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29637"), RANK="0",
                   WORLD_SIZE="1", LOCAL_RANK="0")
 
-WIDTH, BLOCKS, BATCH, ROUNDS = 64, 64, 8, 100
+ROUNDS = 100
 ENGINES = ("stock", "installed", "as_before")
-
-
-def _model(trained: bool):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(BLOCKS):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH)]
-    return torch.nn.Sequential(*layers).requires_grad_(trained)
 
 
 def _engine(trained: bool):
     import deepspeed
     config = {"train_micro_batch_size_per_gpu": BATCH,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    model = _model(trained)
+    model = _frozen_model().requires_grad_(trained)
     if trained:
         config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -78,16 +72,6 @@ def _install(engines):
     zero_lifetime.install(engines["installed"])
     with _hooks_as_before():
         zero_lifetime.install(engines["as_before"])
-
-
-def _score(engine, x):
-    with torch.no_grad():
-        engine(x)
-
-
-def _differentiable(engine, x):
-    x = x.clone().requires_grad_()
-    engine.module(x).sum().backward()
 
 
 def _train(engine, x):
