@@ -14,7 +14,7 @@ Measured 2026-12-07 on the 2-vCPU EPYC VM: no gain from the fused copy-out on 2 
 scoring forward, 170-230 ms against ~35 ms on 1 rank, waits on gloo's 128 all-gathers, not on
 the copies); installed/stock 0.96-1.04 scoring, 1.06-1.12 with the backward, and on 1 rank
 1.05-1.06 and 1.06-1.09 (the installation's per-module hooks, which modules this small
-magnify; docs/reliability.md).
+magnify; docs/reliability.md; trimmed at stop 70, ``per_module_hooks.py``).
 
     DS_ACCELERATOR=cpu python3 -m benchmarks.experiments.frozen_engine_gathers [ROUNDS [RANKS]]
 """
