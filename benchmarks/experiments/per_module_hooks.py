@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from .frozen_engine_gathers import BATCH, BLOCKS, WIDTH, _differentiable, _frozen_model, _score
+from .frozen_engine_gathers import BATCH, BLOCKS, WIDTH, _differentiable, _engine, _frozen_model, _score
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29637"), RANK="0",
                   WORLD_SIZE="1", LOCAL_RANK="0")
@@ -35,16 +35,13 @@ ROUNDS = 100
 ENGINES = ("stock", "installed", "as_before")
 
 
-def _engine(trained: bool):
+def _trained_engine():
     import deepspeed
+    model = _frozen_model().requires_grad_(True)
     config = {"train_micro_batch_size_per_gpu": BATCH,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    model = _frozen_model().requires_grad_(trained)
-    if trained:
-        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    else:
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
@@ -87,8 +84,8 @@ def main(rounds: int = ROUNDS) -> None:
     torch.set_num_threads(1)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    frozen = {name: _engine(trained=False) for name in ENGINES}
-    trained = {name: _engine(trained=True) for name in ENGINES}
+    frozen = {name: _engine(_frozen_model()) for name in ENGINES}
+    trained = {name: _trained_engine() for name in ENGINES}
     _install(frozen)
     _install(trained)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
