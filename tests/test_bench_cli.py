@@ -195,8 +195,24 @@ def test_step_overhead_is_judged_round_by_round():
     ((name, measured, met), ) = step.targets([result], "cpu")
     assert name == "install overhead on a ZeRO-3 step under 3% (cpu)"
     assert measured.startswith("+1.00% ") and met is True
+    assert "too few for a 95% interval" in measured
     ((name, measured, met), ) = step.targets([dict(result, ranks=2)], "cuda")
     assert name == "install overhead on a ZeRO-3 step under 1% (cuda, 2 ranks)" and met is False
+
+
+@pytest.mark.parametrize("installed, noise", [
+    # 20 rounds of 100 ms stock; the 95% interval of the median is the 6th..15th ratio.
+    ([100.0 + 0.1 * i for i in range(20)], False),                  # +0.0% to +1.9%: below 3%
+    ([90.0 + i for i in range(20)], True),                          # -5% to +4%: spans 3%
+])
+def test_step_overhead_says_when_its_verdict_is_noise(installed, noise):
+    from zero_lifetime.bench import step
+    result = {"case": "ZeRO-2 single-backward step, tiny", "stage": 2,
+              "samples": {step.STOCK: [100.0] * 20, step.INSTALLED: installed}}
+    ((_, measured, _), ) = step.targets([result], "cpu")
+    low, high = sorted(installed)[5] / 100 - 1, sorted(installed)[14] / 100 - 1
+    assert f"95% interval {low:+.2%} to {high:+.2%}" in measured
+    assert ("within noise, rerun with more --repeats" in measured) is noise
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -289,3 +305,4 @@ def test_cuda_bench_run_in_process_gives_the_memcpy_route_back(tmp_path):
                      "4096", "--json", str(tmp_path / "bucket.json")]) == 0
     assert json.loads((tmp_path / "bucket.json").read_text())["environment"]["cuda_memcpy_segment_bytes"] == 4096
     assert ops.cuda_memcpy_segment_bytes() == before
+

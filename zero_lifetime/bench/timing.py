@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
 def synchronizer(device: str) -> Callable[[], None]:
@@ -44,3 +45,21 @@ def paired_ratios(samples: Dict[str, Sequence[float]], method: str, reference: s
     """``method`` time / ``reference`` time of each round: a round runs its methods back to
     back, so drift from one round to the next (other jobs on shared cores) cancels."""
     return [a / b for a, b in zip(samples[method], samples[reference])]
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> Optional[Tuple[float, float]]:
+    """A distribution-free confidence interval of the median of ``values``: the order
+    statistics x_(k) and x_(n+1-k), with k the largest rank for which the chance that fewer
+    than k of n draws fall below the true median, P(Binomial(n, 1/2) < k), is at most
+    (1 - confidence) / 2. Assumes nothing of the distribution (rounds of a loaded machine are
+    skewed). None when there are too few values for any such interval (n < 6 at 95%)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1 - confidence) / 2
+    below, k = 0.0, 0
+    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
