@@ -230,7 +230,7 @@ def _noise_of(ratios: List[float], limit: float) -> str:
     from .timing import median_interval
     interval = median_interval(ratios)
     if interval is None:
-        return f"{len(ratios)} rounds: too few for a 95% interval, a verdict on noise"
+        return f"{len(ratios)} rounds: too few for a 95% interval, so the verdict is noise"
     low, high = (bound - 1 for bound in interval)
     text = f"95% interval {low:+.2%} to {high:+.2%}"
     if low < limit <= high:
