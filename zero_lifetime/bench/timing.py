@@ -57,8 +57,11 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> Option
     n = len(ordered)
     tail = (1 - confidence) / 2
     below, k = 0.0, 0
-    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
-        below += math.comb(n, k) / 2 ** n
+    while k < n:
+        chance = math.comb(n, k) / 2 ** n  # P(Binomial(n, 1/2) = k)
+        if below + chance > tail:
+            break
+        below += chance
         k += 1
     if k == 0:
         return None
