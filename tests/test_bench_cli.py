@@ -3,9 +3,11 @@
 Timings are never asserted: only that the benchmarks run, report and record what they measured.
 """
 
+import gc
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -122,11 +124,41 @@ def test_bucket_in_process_json_plot_and_targets(tmp_path, capsys):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def engines_alive() -> int:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    gc.collect()
+    return sum(isinstance(obj, DeepSpeedEngine) for obj in gc.get_objects())
+
+
 def test_gather_one_rank_in_process(tmp_path):
     out, png = tmp_path / "gather.json", tmp_path / "gather.png"
+    before = engines_alive()
     assert cli.main(["gather", "--quick", "--repeats", "2", "--json", str(out), "--plot", str(png)]) == 0
+    assert engines_alive() == before  # its ZeRO-3 engines (installed) were let go of
     assert_deepspeed_path_rows(load(out), "gather")
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["stock", "installed"])
+@pytest.mark.parametrize("stage", [3, 2])
+def test_discarded_bench_engines_are_freed(stage, installed):
+    """The bench builds engine after engine in one process, and stock DeepSpeed keeps each
+    destroyed ZeRO-3 engine and its model alive to the process's end: discard() lets go of
+    stock and installed engines alike, after a training step."""
+    import torch
+
+    import zero_lifetime
+    from zero_lifetime.bench.engines import ParamBlock, discard, make_engine
+    engine = make_engine(ParamBlock(3, 16), stage)
+    if installed:
+        zero_lifetime.install(engine)
+    engine.backward(engine(torch.ones(8)).sum())
+    engine.step()
+    engine_alive, model_alive = weakref.ref(engine), weakref.ref(engine.module)
+    discard(engine)
+    del engine
+    gc.collect()
+    assert engine_alive() is None and model_alive() is None
 
 
 @pytest.mark.parametrize("argv", [[], ["nope"], ["bucket", "--repeats", "0"], ["bucket", "--ranks", "3"],

@@ -81,7 +81,7 @@ class FrozenEngineInstallation:
         self.fused_gathers = Zero3FusedGathers(list(engine.module.parameters()))
         self.lifetime = Zero3Lifetime(engine, self.tracker, self.module_hooks)
         self.trace = ReleaseDecisionsFollowTrace(engine)
-        self.teardown = DestroyedEngineRelease(self.trace)
+        self.teardown = DestroyedEngineRelease(self.trace.drop_decisions)
         # Bookkeeping with side effects: never traced under engine.compile().
         self.module_hooks.forward_hook(engine.module, never_traced(self._on_root_forward))
 

@@ -190,7 +190,7 @@ class Installation:
             self.fused = Zero3FusedCopies(engine)
             self.lifetime = Zero3Lifetime(engine, self.tracker, self.module_hooks)
             self.trace = ReleaseDecisionsFollowTrace(engine)
-            self.teardown = DestroyedEngineRelease(self.trace)
+            self.teardown = DestroyedEngineRelease(self.trace.drop_decisions)
             self.trl_fused_head = TrlFusedHead()
             self.trl_fused_head.settle_if_trl_imported()
         else:

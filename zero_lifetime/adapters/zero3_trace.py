@@ -29,6 +29,13 @@ def _release_decision_cache(coordinator_type):
     raise unrecognised(f"the coordinator's `{_PARAMS_TO_RELEASE}` is no longer an lru_cache")
 
 
+def release_decision_cache(engine):
+    """The cache of release decisions ``engine``'s coordinator reads (shared by every coordinator:
+    its keys hold each coordinator and its model's submodules); ``cache_clear()`` drops them."""
+    coordinator = require(parameter_offload(engine), "get_param_coordinator", "the param coordinator accessor")()
+    return _release_decision_cache(type(coordinator))
+
+
 class ReleaseDecisionsFollowTrace:
     """A pre-forward hook on the root module, ahead of DeepSpeed's own (which completes a
     trace being recorded): when a trace is about to complete, drop the cached decisions."""

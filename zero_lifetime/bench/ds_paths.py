@@ -101,10 +101,8 @@ class _Zero2Bucket:
         return bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
 
     def close(self) -> None:
-        import zero_lifetime
-        if self.installation is not None:
-            zero_lifetime.uninstall(self.engine)
-        self.engine.destroy()
+        from .engines import discard
+        discard(self.engine)
 
 
 def bucket_fill(n: int, numel: int, device: str, repeats: int) -> dict:
@@ -178,9 +176,9 @@ def _zero3_fused():
 
 def gather_wait(n: int, numel: int, world: int, device: str, repeats: int) -> dict:
     """One coalesced handle of ``n`` fp32 params of ``numel`` waited: DeepSpeed's wait vs the fused one."""
-    import zero_lifetime
     from deepspeed.accelerator import get_accelerator
 
+    from .engines import discard
     target = torch.device(get_accelerator().current_device_name())
     engine, fused = _zero3_fused()
     stock, ours = _GatheredParams(n, numel, world, target), _GatheredParams(n, numel, world, target)
@@ -198,8 +196,7 @@ def gather_wait(n: int, numel: int, world: int, device: str, repeats: int) -> di
                    ROOFLINE: _roofline(n * numel, target)}
         samples = interleave(methods, device, repeats, setup={GATHER_STOCK: stock.reset, GATHER_OURS: ours.reset})
     finally:
-        zero_lifetime.uninstall(engine)
-        engine.destroy()
+        discard(engine)
     return _result(f"DeepSpeed path: coalesced handle wait {n} x {numel} world {world} float32", n * numel,
                    samples, GATHER_STOCK, GATHER_OURS)
 

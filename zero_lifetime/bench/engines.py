@@ -84,3 +84,18 @@ def make_engine(model: torch.nn.Module, stage: int = 3, gas: int = 1, **zero):
 
 def coordinator(engine):
     return engine.optimizer.parameter_offload.get_param_coordinator()
+
+
+def discard(engine) -> None:
+    """Uninstall (if installed) and destroy ``engine``, and let go of what stock DeepSpeed keeps of
+    a destroyed ZeRO-3 engine: else its model and partitions stay alive to the end of the run,
+    growing with the sweep (``benchmarks/experiments/bench_leftovers.py`` counts them)."""
+    import zero_lifetime
+    zero_lifetime.uninstall(engine)
+    release = None
+    if int(engine.zero_optimization_stage()) == 3:
+        from ..adapters.zero3_teardown import release_after_destroy
+        release = release_after_destroy(engine)
+    engine.destroy()
+    if release is not None:
+        release()

@@ -28,7 +28,7 @@ def run(device: str, repeats: int, quick: bool, ranks: int, progress: Progress =
 
 
 def _work(spec: dict) -> List[Result]:
-    from .engines import ParamBlock, make_engine, prepare_process, quiet_deepspeed
+    from .engines import ParamBlock, discard, make_engine, prepare_process, quiet_deepspeed
     device = spec["device"]
     prepare_process(device)
     import torch
@@ -78,9 +78,8 @@ def _work(spec: dict) -> List[Result]:
             "ranks": world, "bytes": 2 * n * numel * 4, "samples": samples, "stock": STOCK, "ours": FUSED,
             "roofline": ROOFLINE, "per": n, "per_label": "per tensor",
             "notes": [f"installed engine ran {fused} fused gathers"]})
-        zero_lifetime.uninstall(installed)
         for engine in (stock, installed):
-            engine.destroy()
+            discard(engine)
     return results
 
 

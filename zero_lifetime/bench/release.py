@@ -35,7 +35,7 @@ def _shapes(quick: bool):
 
 
 def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> List[Result]:
-    from .engines import ParamBlock, coordinator, make_engine, prepare_process, quiet_deepspeed
+    from .engines import ParamBlock, coordinator, discard, make_engine, prepare_process, quiet_deepspeed
     prepare_process(device)
     import torch
 
@@ -89,10 +89,8 @@ def run(device: str, repeats: int, quick: bool, progress: Progress = None) -> Li
                         "numel": numel, "bytes": None, "samples": samples, "stock": STOCK, "ours": REGATHER,
                         "roofline": None, "per": n, "per_label": "per param", "released": released,
                         "notes": notes})
-        for name, install in installs.items():
-            zero_lifetime.uninstall(engines[name])
         for engine in engines.values():
-            engine.destroy()
+            discard(engine)
         if progress:
             progress.step(results[-1]["case"])
     return results

@@ -113,7 +113,7 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
     import torch
 
     import zero_lifetime
-    from .engines import TinyTransformer, make_engine
+    from .engines import TinyTransformer, discard, make_engine
     from .timing import interleave
 
     torch.manual_seed(0)
@@ -140,7 +140,7 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
                         "notes": notes + ["installed engine, all steps: " +
                                           ", ".join(f"{k} {v}" for k, v in work.items())]})
         for engine in (stock, installed):
-            engine.destroy()
+            discard(engine)
         if progress:
             progress.step(f"step ZeRO-{stage}")
 
