@@ -64,6 +64,13 @@ class PeakGathered:
     def reset(self):
         self.peak = 0
 
+    def remove(self):
+        # A param's grad hook that reaches its own engine is a cycle through torch's C++ side,
+        # which the garbage collector cannot break: without this, the engine outlives discard().
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
 
 def peak_device_bytes(step) -> int:
     """Peak CUDA memory allocated during ``step`` above what was allocated before it."""
@@ -170,8 +177,10 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
                     "stage": 3, "bytes": None, "samples": samples, "stock": STOCK_SINGLE, "ours": None,
                     "roofline": None, "per": None, "per_label": "per item", "peak_gathered_bytes": peaks,
                     "peak_device_bytes": device_peaks, "notes": notes})
+    for probe in probes.values():
+        probe.remove()
     for engine in engines.values():
-        engine.destroy()
+        discard(engine)
     if progress:
         progress.step("step retained")
     return results
