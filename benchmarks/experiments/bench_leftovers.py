@@ -19,12 +19,12 @@ def main(argv) -> None:
     gc.collect()
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
-    engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
-    stages = sorted(int(engine.zero_optimization_stage()) for engine in engines)
-    storages = {}
     with warnings.catch_warnings():  # isinstance on torch's deprecated reduce_op object warns
         warnings.simplefilter("ignore", FutureWarning)
+        engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    stages = sorted(int(engine.zero_optimization_stage()) for engine in engines)
+    storages = {}
     for tensor in tensors:
         try:
             storage = tensor.untyped_storage()
