@@ -4,9 +4,9 @@ The schedule mixes, per micro-batch: one backward; two backwards over a retained
 a retained graph dropped without its second backward. GAS = 2, so every optimizer step
 accumulates two micro-batches. Half-way the engine saves a checkpoint, is destroyed, and a
 fresh engine (installed again) loads it and goes on. After every step: nothing pinned,
-every non-persistent param released; RSS is sampled. The DDP oracle runs the losses torch
-semantics imply (l1 + l2 for two backwards without zero_grad), scaled by 1/GAS as
-DeepSpeed scales them, accumulating under no_sync.
+every non-persistent param released; RSS and the number of objects gc tracks are sampled.
+The DDP oracle runs the losses torch semantics imply (l1 + l2 for two backwards without
+zero_grad), scaled by 1/GAS as DeepSpeed scales them, accumulating under no_sync.
 """
 
 import datetime
@@ -17,6 +17,7 @@ import traceback
 
 WORLD, GAS = 2, 2
 KINDS = ("single", "two", "dropped")
+OBJECTS_WARMUP_STEPS = 3
 
 
 def schedule(steps):
@@ -96,7 +97,7 @@ def main(rank, out_dir, port, steps):
         ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
         plan = schedule(steps)
-        rss, violations, counts = [], [], {k: 0 for k in KINDS}
+        rss, objects, violations, counts = [], [], [], {k: 0 for k in KINDS}
         checkpoint_dir = os.path.join(out_dir, "checkpoint")
         for step, kinds in enumerate(plan):
             if step == steps // 2:
@@ -120,13 +121,16 @@ def main(rank, out_dir, port, steps):
                 violations.append({"step": step, "stats": stats, "gathered": gathered,
                                    "inconsistent": inconsistent})
             rss.append(_rss_bytes())
+            objects.append(len(gc.get_objects()))  # gc.collect() ran above
         got = full_weights(engine)
         want = [p.detach() for p in reference.parameters()]
+        objects_from = min(len(objects) - 1, steps // 2 + OBJECTS_WARMUP_STEPS)  # the reloaded engine warmed up
         record.update(
             steps=steps, micro_batches=counts, violations=violations[:5], n_violations=len(violations),
             max_abs_diff=max((g - w).abs().max().item() for g, w in zip(got, want)),
             moved=max((w - p0).abs().max().item() for w, p0 in zip(want, _initial_weights(seed=0))),
             rss_first=rss[min(len(rss) - 1, 5)], rss_last=rss[-1], rss_max=max(rss),
+            objects_from=objects[objects_from], objects_last=objects[-1], objects_steps=len(objects) - 1 - objects_from,
             stats=zero_lifetime.stats(engine))
         dist.barrier()
         dist.destroy_process_group()

@@ -28,10 +28,15 @@ def test_soak_two_ranks_against_ddp(tmp_path):
         assert r["error"] is None, f"rank {r['rank']}:\n{r['error']}"
         print(f"\nsoak rank {r['rank']}: {r['steps']} steps, micro-batches {r['micro_batches']}, "
               f"max |w - ddp| {r['max_abs_diff']:.2e}, RSS {r['rss_first'] / 2**20:.1f} -> "
-              f"{r['rss_last'] / 2**20:.1f} MiB (max {r['rss_max'] / 2**20:.1f}), "
+              f"{r['rss_last'] / 2**20:.1f} MiB (max {r['rss_max'] / 2**20:.1f}), objects alive "
+              f"{r['objects_last'] - r['objects_from']:+d} over {r['objects_steps']} steps, "
               f"{time.monotonic() - started:.0f} s")
         assert r["n_violations"] == 0, f"rank {r['rank']}: params left pinned or gathered: {r['violations']}"
         assert all(r["micro_batches"][k] > 0 for k in worker.KINDS), r["micro_batches"]
         assert r["moved"] > 1e-3, "the oracle did not train"
         assert r["max_abs_diff"] <= 1e-5, f"rank {r['rank']}: weights differ from DDP by {r['max_abs_diff']}"
         assert r["rss_last"] - r["rss_first"] <= RSS_GROWTH_LIMIT, r
+        # A small object kept per step stays far below the RSS limit (tests/test_steady_state.py).
+        assert r["objects_last"] - r["objects_from"] < max(r["objects_steps"], 1), (
+            f"rank {r['rank']}: {r['objects_last'] - r['objects_from']} more objects alive after "
+            f"{r['objects_steps']} steps")
