@@ -32,7 +32,6 @@ def main(argv) -> None:
             continue
         if storage.data_ptr():
             storages[storage.data_ptr()] = storage.nbytes()
-    del engines
     print(f"engines alive after the run: {len(stages)} (ZeRO stages {stages}); tensor storage still "
           f"reachable: {sum(storages.values()) / 2**20:.1f} MiB")
 
