@@ -481,6 +481,21 @@ def backward_separately_or_summed(engine, first, second, separately: bool):
         engine.backward(first + second)
 
 
+def engine_micro_batch(engine, kind: str, x):
+    """One micro-batch on ``engine``, then ``engine.step()`` (DeepSpeed steps the optimizer at
+    every GAS-th call). ``kind``: "single" (one backward of the first loss), "two" (both losses
+    through the retained graph), "dropped" (the retained graph dropped without its second
+    backward) or "manual" (``loss.backward()``: DeepSpeed divides by GAS at the outputs)."""
+    l1, l2 = losses(engine(x))
+    if kind == "manual":
+        l1.backward()
+    else:
+        engine.backward(l1, retain_graph=kind != "single")
+        if kind == "two":
+            engine.backward(l2)
+    engine.step()
+
+
 def backward_by(engine, loss, path: str, retain_graph: bool = False):
     """One backward of ``loss`` on ``path``: "engine" (engine.backward), "manual"
     (loss.backward()) or "scale" (engine.scale(loss).backward())."""

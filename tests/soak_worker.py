@@ -49,19 +49,6 @@ def _engine(model, checkpoint_dir=None):
     return engine
 
 
-def _engine_micro(engine, kind, x):
-    from harness import losses
-    l1, l2 = losses(engine(x))
-    if kind == "single":
-        engine.backward(l1)
-    elif kind == "two":
-        engine.backward(l1, retain_graph=True)
-        engine.backward(l2)
-    else:  # the retained graph is simply dropped
-        engine.backward(l1, retain_graph=True)
-    engine.step()  # DeepSpeed steps the optimizer at every GAS-th call
-
-
 def _ddp_micro(ddp, kind, x, last):
     import contextlib
     from harness import losses
@@ -87,7 +74,7 @@ def main(rank, out_dir, port, steps):
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         deepspeed.init_distributed(dist_backend="gloo", verbose=False, timeout=datetime.timedelta(seconds=60))
         import zero_lifetime
-        from harness import MODELS, full_weights, released_state
+        from harness import MODELS, engine_micro_batch, full_weights, released_state
 
         torch.manual_seed(0)
         model = MODELS["mlp_norm"]()
@@ -109,7 +96,7 @@ def main(rank, out_dir, port, steps):
                 engine = _engine(MODELS["mlp_norm"](), checkpoint_dir)
             for micro, kind in enumerate(kinds):
                 x = _batch(step, micro, rank)
-                _engine_micro(engine, kind, x)
+                engine_micro_batch(engine, kind, x)
                 _ddp_micro(ddp, kind, x, last=micro == GAS - 1)
                 counts[kind] += 1
             ddp_opt.step()

@@ -16,7 +16,7 @@ import gc
 import pytest
 
 import zero_lifetime
-from harness import TORCH_STYLE_BACKWARD, assert_weights_match, losses, make_input, make_pair
+from harness import TORCH_STYLE_BACKWARD, assert_weights_match, engine_micro_batch, losses, make_input, make_pair
 
 GAS = 2
 WARMUP_ROUNDS, ROUNDS = 3, 10
@@ -28,20 +28,6 @@ KINDS = ("single", "two", "dropped") + (("manual", ) if TORCH_STYLE_BACKWARD els
 def _objects_alive() -> int:
     gc.collect()
     return len(gc.get_objects())
-
-
-def _engine_micro(engine, kind, x):
-    l1, l2 = losses(engine(x))
-    if kind == "single":
-        engine.backward(l1)
-    elif kind == "two":
-        engine.backward(l1, retain_graph=True)
-        engine.backward(l2)
-    elif kind == "dropped":
-        engine.backward(l1, retain_graph=True)
-    else:
-        l1.backward()  # DeepSpeed divides by GAS at engine(x)'s outputs, as engine.backward does
-    engine.step()
 
 
 def _reference_micro(reference, kind, x):
@@ -67,7 +53,7 @@ def test_no_objects_kept_per_step(model_name, stage, policy):
         for _ in range(rounds):
             for kind in KINDS:
                 x = make_input(model_name, seed=micro_batches)
-                _engine_micro(engine, kind, x)
+                engine_micro_batch(engine, kind, x)
                 _reference_micro(reference, kind, x)
                 micro_batches += 1
                 if micro_batches % GAS == 0:
