@@ -1,10 +1,11 @@
-"""Rank process of tests/test_soak.py: a long 2-rank ZeRO-3 run against torch DDP.
+"""Rank process of tests/test_soak.py: a long 2-rank ZeRO run against torch DDP.
 
 The schedule mixes, per micro-batch: one backward; two backwards over a retained graph;
 a retained graph dropped without its second backward. GAS = 2, so every optimizer step
 accumulates two micro-batches. Half-way the engine saves a checkpoint, is destroyed, and a
-fresh engine (installed again) loads it and goes on. After every step: nothing pinned,
-every non-persistent param released; RSS and the number of objects gc tracks are sampled.
+fresh engine (installed again) loads it and goes on. After every step: nothing pinned, and
+on ZeRO-3 every non-persistent param released; RSS and the number of objects gc tracks are
+sampled.
 The DDP oracle runs the losses torch semantics imply (l1 + l2 for two backwards without
 zero_grad), scaled by 1/GAS as DeepSpeed scales them, accumulating under no_sync.
 """
@@ -37,13 +38,13 @@ def _batch(step, micro, rank):
     return make_input("mlp_norm", seed=100_000 + 100 * step + 10 * micro + rank)
 
 
-def _engine(model, checkpoint_dir=None):
+def _engine(model, stage, checkpoint_dir=None):
     import deepspeed
     import zero_lifetime
     from harness import ds_config
-    cfg = ds_config(3, persistence=0, lr=0.01, gas=GAS)
+    cfg = ds_config(stage, persistence=0, lr=0.01, gas=GAS)
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    zero_lifetime.install(engine, policy="pin")
+    zero_lifetime.install(engine, **({"policy": "pin"} if stage == 3 else {}))
     if checkpoint_dir is not None:
         engine.load_checkpoint(checkpoint_dir, tag="mid")
     return engine
@@ -58,7 +59,7 @@ def _ddp_micro(ddp, kind, x, last):
         (loss / GAS).backward()
 
 
-def main(rank, out_dir, port, steps):
+def main(rank, out_dir, port, steps, stage=3):
     from two_rank_worker import _quiet, _set_env
     _set_env(rank, port)
     _quiet(os.path.join(out_dir, f"soak{rank}.log"))
@@ -79,7 +80,7 @@ def main(rank, out_dir, port, steps):
         torch.manual_seed(0)
         model = MODELS["mlp_norm"]()
         reference = copy.deepcopy(model)
-        engine = _engine(model)
+        engine = _engine(model, stage)
         ddp = torch.nn.parallel.DistributedDataParallel(reference)
         ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
@@ -93,7 +94,7 @@ def main(rank, out_dir, port, steps):
                 del engine
                 gc.collect()
                 torch.manual_seed(99)  # different initial weights: the checkpoint must restore them
-                engine = _engine(MODELS["mlp_norm"](), checkpoint_dir)
+                engine = _engine(MODELS["mlp_norm"](), stage, checkpoint_dir)
             for micro, kind in enumerate(kinds):
                 x = _batch(step, micro, rank)
                 engine_micro_batch(engine, kind, x)
@@ -103,7 +104,7 @@ def main(rank, out_dir, port, steps):
             ddp_opt.zero_grad()
             gc.collect()
             stats = zero_lifetime.stats(engine)
-            gathered, inconsistent = released_state(engine)
+            gathered, inconsistent = released_state(engine) if stage == 3 else ([], [])
             if stats["pinned_params"] or stats["live_handles"] or gathered or inconsistent:
                 violations.append({"step": step, "stats": stats, "gathered": gathered,
                                    "inconsistent": inconsistent})

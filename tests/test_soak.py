@@ -1,5 +1,5 @@
-"""Soak: a long 2-rank ZeRO-3 run (single, retained two-backward and dropped-graph
-micro-batches, GAS 2, a checkpoint save/load half-way) against torch DDP.
+"""Soak: a long 2-rank run on ZeRO-3, 2 and 1 (single, retained two-backward and
+dropped-graph micro-batches, GAS 2, a checkpoint save/load half-way) against torch DDP.
 
 ZL_SOAK_STEPS sets the number of optimizer steps (CI: 40; release testing: 300). The
 figures are printed (pytest -s) and recorded in docs/reliability.md.
@@ -9,6 +9,8 @@ import json
 import os
 import time
 
+import pytest
+
 import soak_worker as worker
 from rank_spawn import spawn_ranks
 
@@ -16,9 +18,10 @@ STEPS = int(os.environ.get("ZL_SOAK_STEPS", "40"))
 RSS_GROWTH_LIMIT = 64 * 2**20  # bytes; a leak of a param or a graph per step would exceed it fast
 
 
-def test_soak_two_ranks_against_ddp(tmp_path):
+@pytest.mark.parametrize("stage", [3, 2, 1])
+def test_soak_two_ranks_against_ddp(tmp_path, stage):
     started = time.monotonic()
-    spawned = spawn_ranks(worker.main, str(tmp_path), worker.WORLD, 60 + 3 * STEPS, STEPS)
+    spawned = spawn_ranks(worker.main, str(tmp_path), worker.WORLD, 60 + 3 * STEPS, STEPS, stage)
     assert spawned.failure is None, spawned.failure
     records = []
     for rank in range(worker.WORLD):
@@ -26,7 +29,7 @@ def test_soak_two_ranks_against_ddp(tmp_path):
             records.append(json.load(f))
     for r in records:
         assert r["error"] is None, f"rank {r['rank']}:\n{r['error']}"
-        print(f"\nsoak rank {r['rank']}: {r['steps']} steps, micro-batches {r['micro_batches']}, "
+        print(f"\nsoak ZeRO-{stage} rank {r['rank']}: {r['steps']} steps, micro-batches {r['micro_batches']}, "
               f"max |w - ddp| {r['max_abs_diff']:.2e}, RSS {r['rss_first'] / 2**20:.1f} -> "
               f"{r['rss_last'] / 2**20:.1f} MiB (max {r['rss_max'] / 2**20:.1f}), objects alive "
               f"{r['objects_last'] - r['objects_from']:+d} over {r['objects_steps']} steps, "
