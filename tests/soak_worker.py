@@ -5,9 +5,8 @@ a retained graph dropped without its second backward. GAS = 2, so every optimize
 accumulates two micro-batches. Half-way the engine saves a checkpoint, is destroyed, and a
 fresh engine (installed again) loads it and goes on. After every step: nothing pinned, and
 on ZeRO-3 every non-persistent param released; RSS and the number of objects gc tracks are
-sampled.
-The DDP oracle runs the losses torch semantics imply (l1 + l2 for two backwards without
-zero_grad), scaled by 1/GAS as DeepSpeed scales them, accumulating under no_sync.
+sampled. The DDP oracle runs the losses torch semantics imply (l1 + l2 for two backwards
+without zero_grad), scaled by 1/GAS as DeepSpeed scales them, accumulating under no_sync.
 """
 
 import datetime
@@ -112,13 +111,13 @@ def main(rank, out_dir, port, steps, stage=3):
             objects.append(len(gc.get_objects()))  # gc.collect() ran above
         got = full_weights(engine)
         want = [p.detach() for p in reference.parameters()]
-        objects_from = min(len(objects) - 1, steps // 2 + OBJECTS_WARMUP_STEPS)  # the reloaded engine warmed up
+        first_counted = min(len(objects) - 1, steps // 2 + OBJECTS_WARMUP_STEPS)  # the reloaded engine warmed up
         record.update(
             steps=steps, micro_batches=counts, violations=violations[:5], n_violations=len(violations),
             max_abs_diff=max((g - w).abs().max().item() for g, w in zip(got, want)),
             moved=max((w - p0).abs().max().item() for w, p0 in zip(want, _initial_weights(seed=0))),
             rss_first=rss[min(len(rss) - 1, 5)], rss_last=rss[-1], rss_max=max(rss),
-            objects_from=objects[objects_from], objects_last=objects[-1], objects_steps=len(objects) - 1 - objects_from,
+            objects_from=objects[first_counted], objects_last=objects[-1], objects_steps=len(objects) - 1 - first_counted,
             stats=zero_lifetime.stats(engine))
         dist.barrier()
         dist.destroy_process_group()
