@@ -31,28 +31,17 @@ def _rss_mib() -> float:
 
 def run(installed: bool, kinds, micro_batches: int):
     import zero_lifetime
-    from harness import losses, make_input, make_pair
+    from harness import engine_micro_batch, make_input, make_pair
     engine, _, _ = make_pair("mlp_norm", 3, gas=2)
     if installed:
         zero_lifetime.install(engine, policy="pin")
     samples = []
     for i in range(micro_batches):
-        l1, l2 = losses(engine(make_input("mlp_norm", seed=i)))
-        kind = kinds[i % len(kinds)]
-        if kind == "single":
-            engine.backward(l1)
-        else:
-            engine.backward(l1, retain_graph=True)
-            if kind == "two":
-                engine.backward(l2)
-        engine.step()
+        engine_micro_batch(engine, kinds[i % len(kinds)], make_input("mlp_norm", seed=i))
         if i % SAMPLE_EVERY == 0:
             gc.collect()
             samples.append((i, _rss_mib(), len(gc.get_objects())))
-    if installed:
-        zero_lifetime.uninstall(engine)
-    engine.destroy()
-    return samples
+    return samples  # the child process exits: nothing to tear down
 
 
 def main(micro_batches: int = 2001, only=None) -> None:
