@@ -27,7 +27,7 @@ def schedule(steps):
     return [[rng.choice(KINDS) for _ in range(GAS)] for _ in range(steps)]
 
 
-def _rss_bytes():
+def rss_bytes():  # also read by benchmarks/experiments/rss_over_steps.py
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -107,7 +107,7 @@ def main(rank, out_dir, port, steps, stage=3):
             if stats["pinned_params"] or stats["live_handles"] or gathered or inconsistent:
                 violations.append({"step": step, "stats": stats, "gathered": gathered,
                                    "inconsistent": inconsistent})
-            rss.append(_rss_bytes())
+            rss.append(rss_bytes())
             objects.append(len(gc.get_objects()))  # gc.collect() ran above
         got = full_weights(engine)
         want = [p.detach() for p in reference.parameters()]

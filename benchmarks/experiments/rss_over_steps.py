@@ -24,14 +24,10 @@ SAMPLE_EVERY = 200
 RESULT = "rss_over_steps result: "  # the child's last line; DeepSpeed prints on stdout too
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def run(installed: bool, kinds, micro_batches: int):
     import zero_lifetime
     from harness import engine_micro_batch, make_input, make_pair
+    from soak_worker import rss_bytes
     engine, _, _ = make_pair("mlp_norm", 3, gas=2)
     if installed:
         zero_lifetime.install(engine, policy="pin")
@@ -40,7 +36,7 @@ def run(installed: bool, kinds, micro_batches: int):
         engine_micro_batch(engine, kinds[i % len(kinds)], make_input("mlp_norm", seed=i))
         if i % SAMPLE_EVERY == 0:
             gc.collect()
-            samples.append((i, _rss_mib(), len(gc.get_objects())))
+            samples.append((i, rss_bytes() / 2**20, len(gc.get_objects())))
     return samples  # the child process exits: nothing to tear down
 
 
