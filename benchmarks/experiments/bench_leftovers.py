@@ -21,8 +21,12 @@ def main(argv) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
     with warnings.catch_warnings():  # isinstance on torch's deprecated reduce_op object warns
         warnings.simplefilter("ignore", FutureWarning)
-        engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        engines, tensors = [], []
+        for obj in gc.get_objects():  # one pass: the run leaves hundreds of thousands
+            if isinstance(obj, DeepSpeedEngine):
+                engines.append(obj)
+            elif isinstance(obj, torch.Tensor):
+                tensors.append(obj)
     stages = sorted(int(engine.zero_optimization_stage()) for engine in engines)
     storages = {}
     for tensor in tensors:
