@@ -75,24 +75,24 @@ def main(argv=None):
     stock = make_engine(model, **eager)
     for _ in range(3):
         single_backward_step(stock, tokens)
-    probe = PeakGathered(stock)
-    logits = stock(tokens)
-    after_forward = gathered_bytes(stock)
-    stock.backward(logits.pow(2).mean())
-    stock.step()
+    with PeakGathered(stock) as probe:  # leaving it removes its hooks, which keep the engine alive
+        logits = stock(tokens)
+        after_forward = gathered_bytes(stock)
+        stock.backward(logits.pow(2).mean())
+        stock.step()
     rows.append(("stock, single backward", after_forward, probe.peak))
     for policy in ("regather", "pin"):
         engine = make_engine(model, **eager)
         zero_lifetime.install(engine, policy=policy)
         for _ in range(3):  # same warm-up as the stock engine: a recorded trace
             single_backward_step(engine, tokens)
-        probe = PeakGathered(engine)
-        logits = engine(tokens)
-        after_forward = gathered_bytes(engine)
-        engine.backward(logits.pow(2).mean(), retain_graph=True)
-        engine.backward(logits.mean())
-        engine.step()
-        del logits
+        with PeakGathered(engine) as probe:
+            logits = engine(tokens)
+            after_forward = gathered_bytes(engine)
+            engine.backward(logits.pow(2).mean(), retain_graph=True)
+            engine.backward(logits.mean())
+            engine.step()
+            del logits
         rows.append((f"installed {policy}, retained two backwards", after_forward, probe.peak))
     base_peak = rows[0][2]
     print("Gathered (non-persistent) param bytes, stage3_max_reuse_distance=0, no prefetch:")

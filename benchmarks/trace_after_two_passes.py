@@ -26,21 +26,21 @@ def run(model, tokens, installed, schedule, gas, window):
     engine = make_engine(model, 3, gas, **windows)
     if installed:
         zero_lifetime.install(engine)
-    probe = PeakGathered(engine)
     fetched = count_param_fetches(engine)
     cells = []
-    for passes in schedule:
-        probe.reset()
-        before = fetched[0]
-        logits = engine(tokens)
-        if passes == 2:
-            engine.backward(logits.pow(2).mean(), retain_graph=True)
-            engine.backward(logits.mean())
-        else:
-            engine.backward(logits.pow(2).mean())
-        held = gathered_bytes(engine)
-        engine.step()
-        cells.append(f"{passes}: {probe.peak / MiB:.2f}/{held / MiB:.2f}/{fetched[0] - before}")
+    with PeakGathered(engine) as probe:  # leaving it removes its hooks, which keep the engine alive
+        for passes in schedule:
+            probe.reset()
+            before = fetched[0]
+            logits = engine(tokens)
+            if passes == 2:
+                engine.backward(logits.pow(2).mean(), retain_graph=True)
+                engine.backward(logits.mean())
+            else:
+                engine.backward(logits.pow(2).mean())
+            held = gathered_bytes(engine)
+            engine.step()
+            cells.append(f"{passes}: {probe.peak / MiB:.2f}/{held / MiB:.2f}/{fetched[0] - before}")
     engine.destroy()
     return cells
 

@@ -161,6 +161,25 @@ def test_discarded_bench_engines_are_freed(stage, installed):
     assert engine_alive() is None and model_alive() is None
 
 
+
+def test_peak_probe_lets_go_of_its_engine_when_left():
+    """The step bench's probe hooks every param's gradient, and a hook reaching its engine is a
+    cycle through torch's C++ side that gc cannot break: leaving the probe must remove them."""
+    import torch
+
+    from zero_lifetime.bench.engines import ParamBlock, discard, make_engine
+    from zero_lifetime.bench.step import PeakGathered
+    engine = make_engine(ParamBlock(3, 16), 3)
+    with PeakGathered(engine) as probe:
+        engine.backward(engine(torch.ones(8)).sum())
+        engine.step()
+    assert probe.peak > 0 and probe.handles == []
+    engine_alive = weakref.ref(engine)
+    discard(engine)
+    del engine, probe
+    gc.collect()
+    assert engine_alive() is None
+
 @pytest.mark.parametrize("argv", [[], ["nope"], ["bucket", "--repeats", "0"], ["bucket", "--ranks", "3"],
                                   ["gather", "--device", "tpu"]])
 def test_bad_arguments_exit_2_with_usage(argv, capsys):

@@ -378,20 +378,20 @@ def _gathered_per_step(engine, schedule):
     """Per step of ``schedule`` (1 or 2 backwards over one forward): peak gathered bytes
     (at every module forward, gradient, and the end of the backward) and what the backward
     left gathered; step() must leave nothing gathered."""
-    probe = PeakGathered(engine)
     peaks, held = [], []
-    for step, passes in enumerate(schedule):
-        probe.reset()
-        first, second = losses(engine(make_input("mlp_norm", step)))
-        if passes == 2:
-            engine.backward(first, retain_graph=True)
-        engine.backward(second if passes == 2 else first)
-        held.append(gathered_bytes(engine))
-        probe.sample()
-        engine.step()
-        assert gathered_bytes(engine) == 0, f"step {step} left params gathered"
-        peaks.append(probe.peak)
-    probe.remove()  # else its grad hooks keep the engine alive for the rest of the test run
+    # Leaving the probe removes its grad hooks, which would keep the engine alive for the rest of the run.
+    with PeakGathered(engine) as probe:
+        for step, passes in enumerate(schedule):
+            probe.reset()
+            first, second = losses(engine(make_input("mlp_norm", step)))
+            if passes == 2:
+                engine.backward(first, retain_graph=True)
+            engine.backward(second if passes == 2 else first)
+            held.append(gathered_bytes(engine))
+            probe.sample()
+            engine.step()
+            assert gathered_bytes(engine) == 0, f"step {step} left params gathered"
+            peaks.append(probe.peak)
     return peaks, held
 
 

@@ -16,6 +16,7 @@ all-gathers and ZeRO-1/2 check the ranks' bucket layouts.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from typing import List
 
@@ -49,7 +50,9 @@ def count_param_fetches(engine) -> list:
 
 
 class PeakGathered:
-    """Peak of :func:`gathered_bytes`, sampled at every module forward and grad accumulation."""
+    """Peak of :func:`gathered_bytes`, sampled at every module forward and grad accumulation.
+
+    A context manager: leaving it removes the hooks (see :meth:`remove`)."""
 
     def __init__(self, engine):
         self.engine, self.peak, self.handles = engine, 0, []
@@ -63,6 +66,12 @@ class PeakGathered:
 
     def reset(self):
         self.peak = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
 
     def remove(self):
         # A param's grad hook that reaches its own engine is a cycle through torch's C++ side,
@@ -159,11 +168,12 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
     for engine in engines.values():  # same warm-up for all: a recorded trace before the probes
         for _ in range(WARMUP_STEPS):
             single_backward_step(engine, tokens)
-    probes = {name: PeakGathered(engine) for name, engine in engines.items()}
     methods = {name: (lambda e=engine, f=single_backward_step if name == STOCK_SINGLE else retained_step:
                       f(e, tokens)) for name, engine in engines.items()}
-    samples = interleave(methods, device, repeats, warmup=0)
-    peaks = {name: probe.peak for name, probe in probes.items()}
+    with contextlib.ExitStack() as probing:
+        probes = {name: probing.enter_context(PeakGathered(engine)) for name, engine in engines.items()}
+        samples = interleave(methods, device, repeats, warmup=0)
+        peaks = {name: probe.peak for name, probe in probes.items()}
     base = peaks[STOCK_SINGLE] or 1
     notes = [f"peak gathered {name}: {peak / 2**20:.2f} MiB ({100 * (peak / base - 1):+.1f}% vs stock single)"
              for name, peak in peaks.items()]
@@ -177,8 +187,6 @@ def _run(device: str, repeats: int, shape, progress: Progress = None) -> List[Re
                     "stage": 3, "bytes": None, "samples": samples, "stock": STOCK_SINGLE, "ours": None,
                     "roofline": None, "per": None, "per_label": "per item", "peak_gathered_bytes": peaks,
                     "peak_device_bytes": device_peaks, "notes": notes})
-    for probe in probes.values():
-        probe.remove()
     for engine in engines.values():
         discard(engine)
     if progress:
