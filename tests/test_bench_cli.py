@@ -161,7 +161,6 @@ def test_discarded_bench_engines_are_freed(stage, installed):
     assert engine_alive() is None and model_alive() is None
 
 
-
 def test_peak_probe_lets_go_of_its_engine_when_left():
     """The step bench's probe hooks every param's gradient, and a hook reaching its engine is a
     cycle through torch's C++ side that gc cannot break: leaving the probe must remove them."""
@@ -179,6 +178,7 @@ def test_peak_probe_lets_go_of_its_engine_when_left():
     del engine, probe
     gc.collect()
     assert engine_alive() is None
+
 
 @pytest.mark.parametrize("argv", [[], ["nope"], ["bucket", "--repeats", "0"], ["bucket", "--ranks", "3"],
                                   ["gather", "--device", "tpu"]])
