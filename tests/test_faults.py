@@ -668,6 +668,97 @@ def test_nothing_of_ours_outlives_destroy(stage, policy):
     assert (stock_model() is None) == (stage < 3)
 
 
+def test_torch_cannot_collect_a_post_accumulate_grad_hook_that_reaches_its_param():
+    """The cause of the next two tests, in plain torch: the garbage collector does not see the
+    reference torch's C++ side holds to a param's post-accumulate-grad hooks, so a hook that
+    reaches its own param's owner keeps both forever. A tensor hook (register_hook) in the same
+    place is collected. If a torch release frees the first, the README's sentences on engines
+    dropped without destroy() and on users' grad hooks, and these three tests, change."""
+    class Owner:
+        pass
+
+    def owner_alive_after_collect(register) -> bool:
+        owner = Owner()
+        owner.param = torch.nn.Parameter(torch.ones(3))
+        register(owner.param)(lambda *_, reach=owner: None)
+        (owner.param * 2).sum().backward()
+        owner_ref = weakref.ref(owner)
+        del owner
+        gc.collect()
+        return owner_ref() is not None
+
+    assert owner_alive_after_collect(lambda p: p.register_post_accumulate_grad_hook)
+    assert not owner_alive_after_collect(lambda p: p.register_hook)
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["stock", "installed"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_engine_dropped_without_destroy_stays_alive(stage, installed):
+    """DeepSpeed's ZeRO optimizers hook every trainable param's grad accumulation
+    (post-accumulate-grad hooks, every release) with closures over themselves, the cycle above:
+    an engine dropped without destroy() is never collected, stock or installed, as the README says.
+    destroy() removes those hooks (test_nothing_of_ours_outlives_destroy)."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    if installed:
+        zero_lifetime.install(engine)
+    train_step(engine, reference, ref_opt, "mlp_norm", 0, backwards=2 if installed else 1, path="engine",
+               zero_grad=False)
+    model, engine_alive = weakref.ref(engine.module), weakref.ref(engine)
+    del engine, reference, ref_opt
+    gc.collect()
+    assert model() is not None
+    engine_alive().destroy()  # the later tests of this process meet no live installation
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["stock", "installed"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_without_optimizer_dropped_without_destroy(stage, installed):
+    """Without an optimizer (a frozen reward or reference model) DeepSpeed registers no grad
+    hooks: a stage-0 engine dropped without destroy() is collected, installed too, so nothing of
+    ours holds it; a ZeRO-3 one stays, through DeepSpeed's module stack (docs/upstream.md, 2).
+    Before 0.19.8 DeepSpeed's debug name maps hold the last model `initialize` saw, strongly,
+    until the next `initialize` or a destroy(); 0.19.8 holds it weakly."""
+    import deepspeed.utils.debug
+    from frozen_reward import BATCH, FEATURES, engine_without_optimizer, policy_and_reward
+    debug_names_hold_the_model = isinstance(deepspeed.utils.debug.module_names, dict)
+    _, reward = policy_and_reward()
+    engine = engine_without_optimizer(reward, stage=stage)
+    if installed:
+        zero_lifetime.install(engine)
+    out = engine(torch.randn(BATCH, FEATURES, requires_grad=True)).sum()
+    if installed:  # stock refuses: stage 0 wants engine.backward, ZeRO-3 fails (docs/upstream.md, 16)
+        out.backward()
+    model, engine_alive = weakref.ref(engine.module), weakref.ref(engine)
+    del engine, reward, out
+    gc.collect()
+    assert (model() is not None) == (stage == 3 or debug_names_hold_the_model)
+    if engine_alive() is not None:
+        engine_alive().destroy()  # the later tests of this process meet no live installation
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_users_grad_hook_reaching_the_engine_keeps_it_after_destroy_until_removed(stage):
+    """A user's post-accumulate-grad hook that reaches the engine (logging grad norms with
+    engine.global_steps, say) is the same cycle, and destroy() cannot remove what it did not
+    register: the engine lives until the user removes the hook, as the README tells them to.
+    A tensor hook reaching it does not keep it."""
+    engine, reference, ref_opt = make_pair("mlp_norm", stage)
+    zero_lifetime.install(engine)
+    weight = next(engine.module.parameters())
+    post_accumulate = weight.register_post_accumulate_grad_hook(lambda _, reach=engine: None)
+    tensor_hook = weight.register_hook(lambda _, reach=engine: None)
+    train_step(engine, reference, ref_opt, "mlp_norm", 0, backwards=2, path="engine", zero_grad=False)
+    model = weakref.ref(engine.module)
+    engine.destroy()
+    del engine, reference, ref_opt, weight
+    gc.collect()
+    assert model() is not None
+    post_accumulate.remove()
+    gc.collect()
+    assert model() is None
+    tensor_hook.remove()  # still registered when the engine went: it never kept it
+
+
 @pytest.mark.parametrize("policy", ["regather", "pin"])
 def test_destroying_one_engine_leaves_another_training_like_torch(policy):
     """destroy() drops the destroyed ZeRO-3 engine from DeepSpeed's module stack and clears
