@@ -669,11 +669,11 @@ def test_nothing_of_ours_outlives_destroy(stage, policy):
 
 
 def test_torch_cannot_collect_a_post_accumulate_grad_hook_that_reaches_its_param():
-    """The cause of the next two tests, in plain torch: the garbage collector does not see the
-    reference torch's C++ side holds to a param's post-accumulate-grad hooks, so a hook that
-    reaches its own param's owner keeps both forever. A tensor hook (register_hook) in the same
-    place is collected. If a torch release frees the first, the README's sentences on engines
-    dropped without destroy() and on users' grad hooks, and these three tests, change."""
+    """The cause behind the engine tests below, in plain torch: the garbage collector does not
+    see the reference torch's C++ side holds to a param's post-accumulate-grad hooks, so a hook
+    that reaches its own param's owner keeps both forever. A tensor hook (register_hook) in the
+    same place is collected. If a torch release frees the first, the README's sentences on
+    engines dropped without destroy() and on users' grad hooks, and these tests, change."""
     class Owner:
         pass
 
